@@ -1,0 +1,59 @@
+import pytest
+
+from yatt.config import Config, ConfigError, load_config
+
+RECIPE = "configs/grpo_smollm2.yaml"
+
+
+def test_recipe_loads_and_overrides_apply(tmp_path):
+    cfg = load_config(RECIPE, ["trainer.total_steps=3", f"output_dir={tmp_path}", "rollout.temperature=0.5"])
+    assert cfg.trainer.total_steps == 3 and isinstance(cfg.trainer.total_steps, int)
+    assert cfg.output_dir == str(tmp_path)
+    assert cfg.rollout.temperature == 0.5
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.total_stepz=2", "unknown config key 'trainer.total_stepz' (did you mean 'trainer.total_steps'?)"),
+    ("trainr.lr=1e-6", "unknown config key 'trainr' (did you mean 'trainer'?)"),
+    ("trainer.total_steps=two", "config key 'trainer.total_steps'"),
+    ("rollout.top_p=1.5", "config key 'rollout.top_p'"),
+    ("algo.kl_estimator=k4", "config key 'algo.kl_estimator'"),
+    ("data.source=file", "data.train_files: required"),
+])
+def test_bad_key_or_type_names_the_key(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(RECIPE, [override])
+    assert expected in str(e.value)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, ["trainer.total_steps"])
+    with pytest.raises(ConfigError, match="'seed' is not a section"):
+        load_config(None, ["seed=1", "seed.x=2"])
+
+
+def test_bad_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_launch_rejects_bad_config_before_loading_anything():
+    import subprocess
+    import sys
+
+    code = ("import sys; from yatt.launch import main; rc = main(['--config', %r, 'trainer.total_stepz=2']); "
+            "assert 'vllm' not in sys.modules and 'megatron.core' not in sys.modules and 'torch' not in sys.modules; "
+            "sys.exit(rc)" % RECIPE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "did you mean 'trainer.total_steps'" in out.stderr
+
+
+def test_defaults_are_valid():
+    assert Config().trainer.total_steps > 0

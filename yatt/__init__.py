@@ -1,0 +1,1 @@
+"""YATT: pure-SPMD RL post-training for LLMs."""

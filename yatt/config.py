@@ -1,0 +1,182 @@
+"""Typed run configuration: a YAML recipe plus dotted ``key=value`` overrides.
+
+The schema is a tree of pydantic models with ``extra="forbid"``: an unknown key or a value of
+the wrong type raises :class:`ConfigError` naming the dotted key (and, for unknown keys, the
+closest valid one) before any model is loaded. Override values are parsed as YAML scalars, so
+``trainer.total_steps=2`` is an int and ``rollout.temperature=0.7`` a float.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A recipe or override is malformed; the message names the offending key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2-135m-instruct"  # packaged model name or local HF folder
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataConfig(_Section):
+    source: Literal["reasoning_gym", "file"] = "reasoning_gym"
+    task: str = "basic_arithmetic"  # reasoning-gym task: generator and scorer
+    task_config: dict[str, Any] = Field(default_factory=dict)
+    train_size: int = Field(1000, gt=0)
+    eval_size: int = Field(64, ge=0)
+    seed: int = 0
+    train_files: list[str] = Field(default_factory=list)  # jsonl/parquet, source=file
+    eval_files: list[str] = Field(default_factory=list)
+    question_key: str = "question"
+    answer_key: str = "answer"
+    system_prompt: str = ""
+    max_prompt_len: int = Field(256, gt=0)  # tokens after the chat template
+
+
+class RolloutConfig(_Section):
+    n: int = Field(4, gt=0)  # samples per prompt (GRPO group size)
+    max_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    tp: int = Field(1, gt=0)
+    max_model_len: int = Field(512, gt=0)
+    kv_cache_memory_bytes: int = Field(256 << 20, gt=0)
+
+
+class RewardConfig(_Section):
+    type: Literal["rule"] = "rule"
+    extract: Literal["answer_tag", "answer_tag_or_last_number"] = "answer_tag_or_last_number"
+
+
+class AlgoConfig(_Section):
+    name: Literal["grpo"] = "grpo"
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.28, ge=0)  # DAPO's clip-higher
+    kl_coef: float = Field(0.0, ge=0)  # 0: no reference model is loaded
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    norm_adv_by_std: bool = True
+    ppo_epochs: int = Field(1, gt=0)
+    mini_batches: int = Field(1, gt=0)  # optimizer steps per epoch over the rollout batch
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(20, gt=0)
+    prompts_per_rank: int = Field(4, gt=0)  # controller shard's prompts per step
+    tp: int = Field(1, gt=0)
+    micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one micro-batch
+    lr: float = Field(1e-6, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = Field(1.0, gt=0)
+
+
+class EvalConfig(_Section):
+    max_tokens: int = Field(64, gt=0)
+    every: int = Field(0, ge=0)  # also evaluate every N steps (0: before and after only)
+
+
+class Config(_Section):
+    seed: int = 0
+    output_dir: str = "runs/default"
+    threads_per_rank: int | None = Field(None, gt=0)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        if self.data.source == "file" and not self.data.train_files:
+            raise ValueError("data.train_files: required when data.source is 'file'")
+        if self.trainer.lr < self.trainer.min_lr:
+            raise ValueError("trainer.min_lr: must not exceed trainer.lr")
+        return self
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not isinstance(p, int)) or ("<root>",)
+        key = ".".join(map(str, loc))
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            near = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields) if parent else [], n=1)
+            hint = f" (did you mean '{'.'.join(map(str, loc[:-1] + (near[0],)))}'?)" if near else ""
+            lines.append(f"unknown config key '{key}'{hint}")
+        elif e["type"] == "value_error":
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
+        else:
+            lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is parsed as a YAML scalar.
+
+    Raises:
+        ConfigError: the override has no ``=`` or walks through a non-mapping key.
+    """
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key=value")
+    key, text = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: '{'.'.join(parts[: i + 1])}' is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML recipe, apply dotted overrides and validate.
+
+    Args:
+        path: YAML file (None: defaults only).
+        overrides: ``["trainer.total_steps=2", "output_dir=/tmp/run"]``.
+    Returns:
+        The validated :class:`Config`.
+    Raises:
+        ConfigError: unreadable YAML, unknown key, wrong type or inconsistent values.
+    """
+    raw: Any = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path}: top level must be a mapping")
+    for ov in overrides:
+        apply_override(raw, ov)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None

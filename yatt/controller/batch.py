@@ -1,0 +1,87 @@
+"""A rank's rollout samples and their packing into trainer micro-batches.
+
+One :class:`Sample` is one response to one prompt. Micro-batches are right-padded
+``prompt + response`` rows whose token counts are balanced by the C++ partitioner
+(:func:`yatt.balance.split_micro_batches`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from yatt.algos.grpo import response_mask
+from yatt.balance import split_micro_batches
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # engine's logprob of each response token
+    finish_reason: str  # "stop" | "length"
+    reward: float = 0.0
+    advantage: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def pack_micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list[dict]:
+    """Pack samples into micro-batches of at most ``token_budget`` (unpadded) tokens each.
+
+    Returns:
+        list of dicts with ``input_ids`` long ``[B, T]`` (pad: ``pad_id``), ``response_mask``
+        float ``[B, T]``, ``rollout_logprobs`` float ``[B, T]`` (aligned with the token they
+        score, 0 outside responses), ``advantages`` float ``[B, 1]`` and ``index`` long ``[B]``
+        (positions in ``samples``).
+    """
+    groups = split_micro_batches([s.length for s in samples], token_budget)
+    out = []
+    for idx in groups:
+        if not idx:
+            continue
+        rows = [samples[i] for i in idx]
+        width = max(s.length for s in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        lps = torch.zeros((len(rows), width), dtype=torch.float32)
+        for b, s in enumerate(rows):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            ids[b, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+            lps[b, p : p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        out.append({
+            "input_ids": ids,
+            "response_mask": response_mask([len(s.prompt_ids) for s in rows], [len(s.response_ids) for s in rows], width),
+            "rollout_logprobs": lps,
+            "advantages": torch.tensor([[s.advantage] for s in rows], dtype=torch.float32),
+            "index": torch.tensor(idx, dtype=torch.long),
+        })
+    return out
+
+
+def score_groups(rows, completions, reward_fn, tokenizer, norm_by_std: bool) -> list[Sample]:
+    """Turn each prompt's ``n`` completions into scored samples with GRPO advantages.
+
+    Args:
+        rows: the step's :class:`~yatt.assets.data.PromptRow` list (``G`` prompts).
+        completions: ``G`` lists of ``n`` engine completions (token ids, logprobs, finish reason).
+        reward_fn: ``(response_text, entry) -> float``.
+        tokenizer: decodes responses (special tokens skipped).
+        norm_by_std: GRPO std normalisation (see :func:`yatt.algos.grpo.group_advantages`).
+    Returns:
+        ``G * n`` samples, prompt-major.
+    """
+    from yatt.algos.grpo import group_advantages
+
+    samples = []
+    for row, group in zip(rows, completions):
+        for c in group:
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            samples.append(Sample(row.prompt_ids, list(c.token_ids), list(c.logprobs), c.finish_reason, reward_fn(text, row.entry)))
+    if samples:
+        n = len(completions[0])
+        adv = group_advantages(torch.tensor([s.reward for s in samples]).view(-1, n), norm_by_std).flatten()
+        for s, a in zip(samples, adv.tolist()):
+            s.advantage = a
+    return samples

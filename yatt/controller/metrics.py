@@ -1,0 +1,67 @@
+"""Per-step metrics: phase timers, cross-rank reductions, and the ``metrics.jsonl`` writer.
+
+No rank holds the global batch: each rank contributes (sum, count) pairs and the global mean
+is one all-reduce of a small tensor.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of one step (``time_<phase>_s``)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time_{phase}_s"] = self.times.get(f"time_{phase}_s", 0.0) + time.perf_counter() - t0
+
+
+def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple[str, ...] = ()) -> dict[str, float]:
+    """Reduce ``{name: (sum, count)}`` over ``group`` and return ``{name: sum/count}``.
+
+    Names in ``op_max`` are reduced with max instead (count ignored). A name with global
+    count 0 gives NaN-free 0.0.
+    """
+    names = sorted(sums)
+    if not names:
+        return {}
+    t = torch.tensor([[float(sums[k][0]), float(sums[k][1])] for k in names], dtype=torch.float64)
+    mx = torch.tensor([float(sums[k][0]) for k in names], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+    out = {}
+    for i, k in enumerate(names):
+        out[k] = float(mx[i]) if k in op_max else (float(t[i, 0] / t[i, 1]) if t[i, 1] > 0 else 0.0)
+    return out
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``<output_dir>/metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, output_dir: str | Path, rank: int) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.enabled = rank == 0
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean, sort_keys=False) + "\n")

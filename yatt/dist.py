@@ -1,0 +1,90 @@
+"""Rank discovery and process-group setup for one SPMD job.
+
+Every process is a rank of one job; rank, world size and local rank come from, in order:
+MPI (``mpirun``, read through ``mpi4py``), Slurm (``SLURM_PROCID``...), or torchrun
+(``RANK``...). torch.distributed is then initialised with gloo on CPU, NCCL on GPU.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_MPI_KEYS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    source: str  # "mpi" | "slurm" | "torchrun" | "single"
+
+
+def discover(env: dict[str, str] | None = None) -> RankInfo:
+    """Find this process's rank from the launcher's environment.
+
+    Args:
+        env: environment to read (default ``os.environ``). MPI is queried through mpi4py
+            only when the environment shows an MPI launcher.
+    Returns:
+        RankInfo; a plain ``python`` run is rank 0 of 1 (source ``single``).
+    """
+    env = os.environ if env is None else env
+    if any(k in env for k in _MPI_KEYS):
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        info = RankInfo(comm.Get_rank(), comm.Get_size(), local.Get_rank(), "mpi")
+        local.Free()
+        return info
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return RankInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+    return RankInfo(0, 1, 0, "single")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> RankInfo:
+    """Discover ranks, export the torch env vars, set threads and init torch.distributed.
+
+    Args:
+        threads: torch/OpenMP threads per rank; default: cores on the node / local ranks.
+        timeout_s: collective timeout (a dead peer aborts the job instead of hanging).
+    Returns:
+        RankInfo of this process. Idempotent: a second call returns the same info.
+    """
+    info = discover()
+    if info.source == "mpi" and "MASTER_PORT" not in os.environ:
+        from mpi4py import MPI
+
+        port = MPI.COMM_WORLD.bcast(_free_port() if info.rank == 0 else None, root=0)
+        os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port() if info.world_size == 1 else 29500)
+    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
+    if threads is None:
+        local_ranks = max(1, int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        threads = max(1, (os.cpu_count() or 1) // local_ranks)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(info.local_rank)
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    return info

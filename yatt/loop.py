@@ -1,0 +1,144 @@
+"""One GRPO run as seen from one rank (full colocation): the step loop, top to bottom.
+
+Every rank runs this same function (SPMD). Per step: its controller shard draws prompts,
+its vLLM engine rolls them out, the rule reward scores them, the Megatron trainer computes
+old/ref logprobs and updates, and the new weights are pushed into the engine in place.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
+from yatt.assets.data import load_prompts
+from yatt.assets.model import resolve_model
+from yatt.config import Config
+from yatt.controller.batch import score_groups
+from yatt.controller.evaluate import evaluate
+from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
+from yatt.controller.shard import PromptShard
+from yatt.dist import RankInfo
+from yatt.reward.rule import RuleReward
+
+log = logging.getLogger("yatt")
+
+
+def run(cfg: Config, info: RankInfo) -> list[dict]:
+    """Train for ``cfg.trainer.total_steps`` steps; returns rank 0's metric records."""
+    from transformers import AutoTokenizer
+
+    from yatt.rollout.vllm_engine import SamplingSpec, VLLMEngine
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+
+    model_path = _resolve_model_once(cfg.model.path, info)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_rows, eval_rows = _load_data(cfg, tokenizer, info)
+    shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
+    reward_fn = RuleReward(cfg.data.task, cfg.reward.extract, cfg.data.task_config)
+    t = cfg.trainer
+    optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
+    optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
+    actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=cfg.model.dtype)
+    ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
+    tp_group, dp_group = _groups(t.tp)
+    engine = VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
+                        kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
+                        dtype=cfg.model.dtype)
+    writer = MetricsWriter(cfg.output_dir, info.rank)
+    records = [_eval_record(0, engine, eval_rows, reward_fn, tokenizer, cfg, writer)]
+    spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                        top_p=cfg.rollout.top_p)
+
+    for step in tqdm(range(1, t.total_steps + 1), desc="steps", disable=info.rank != 0, dynamic_ncols=True):
+        timer, t0 = PhaseTimer(), time.perf_counter()
+        rows = shard.next_batch()
+        with timer("rollout"):
+            spec.seed = (cfg.seed * 1_000_003 + step) * 4099 + info.rank
+            completions = engine.generate([r.prompt_ids for r in rows], spec)
+        with timer("reward"):
+            samples = score_groups(rows, completions, reward_fn, tokenizer, cfg.algo.norm_adv_by_std)
+        sums = _sample_sums(samples)
+        if t.tp > 1:  # the ranks of one TP group train on the same data
+            samples = _gather(samples, tp_group, t.tp)
+        mini_batches = make_mini_batches(samples, cfg.algo.mini_batches, t.micro_batch_tokens, tokenizer.pad_token_id)
+        with timer("logprob"):
+            sums.update(compute_logprobs(actor, ref, mini_batches))
+        with timer("train"):
+            sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group))
+        with timer("sync"):
+            engine.update_weights(actor.export_hf_weights())
+        timer.times["time_step_s"] = time.perf_counter() - t0
+        sums.update({k: (v, 1.0) for k, v in timer.times.items()})
+        record = {"step": step, **global_means(sums, op_max=tuple(timer.times))}
+        record["tokens_per_s"] = record.pop("tokens_total") * info.world_size / record["time_step_s"]
+        writer.write(record)
+        records.append(record)
+        if info.rank == 0:
+            tqdm.write(_line(record))
+        if cfg.eval.every and step % cfg.eval.every == 0 and step != t.total_steps:
+            records.append(_eval_record(step, engine, eval_rows, reward_fn, tokenizer, cfg, writer))
+    records.append(_eval_record(t.total_steps, engine, eval_rows, reward_fn, tokenizer, cfg, writer))
+    engine.shutdown()
+    return records
+
+
+def _resolve_model_once(name: str, info: RankInfo):
+    """Rank 0 materialises a packaged model; the others wait, then use the finished cache."""
+    if info.rank == 0:
+        path = resolve_model(name)
+    if dist.is_initialized():
+        dist.barrier()
+    return path if info.rank == 0 else resolve_model(name)
+
+
+def _load_data(cfg: Config, tokenizer, info: RankInfo):
+    train, tstats = load_prompts(cfg.data, tokenizer, "train", info.rank, info.world_size)
+    evals, estats = load_prompts(cfg.data, tokenizer, "eval", info.rank, info.world_size)
+    counts = {f"{split}_{k}": (float(v), 1.0) for split, st in (("train", tstats), ("eval", estats))
+              for k, v in {"rows": st.rows, "kept": st.kept, **{f"skipped_{r}": n for r, n in st.skipped.items()}}.items()}
+    totals = {k: round(v * info.world_size) for k, v in global_means(counts).items()}
+    if info.rank == 0:
+        log.info("data: %s", totals)
+    return train, evals
+
+
+def _groups(tp: int):
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
+
+
+def _gather(samples, group, size: int):
+    parts = [None] * size
+    dist.all_gather_object(parts, samples, group=group)
+    return [s for part in parts for s in part]
+
+
+def _sample_sums(samples) -> dict[str, tuple[float, float]]:
+    n = float(len(samples))
+    return {
+        "reward_mean": (sum(s.reward for s in samples), n),
+        "accuracy": (sum(float(s.reward == 1.0) for s in samples), n),
+        "response_len_mean": (sum(len(s.response_ids) for s in samples), n),
+        "truncated_frac": (sum(float(s.finish_reason == "length") for s in samples), n),
+        "tokens_total": (sum(s.length for s in samples), 1.0),
+    }
+
+
+def _eval_record(step, engine, rows, reward_fn, tokenizer, cfg: Config, writer: MetricsWriter) -> dict:
+    record = {"step": step, **evaluate(engine, rows, reward_fn, tokenizer, cfg.eval.max_tokens)}
+    writer.write(record)
+    log.info("eval step %d: accuracy %.3f reward %.3f", step, record["eval_accuracy"], record["eval_reward_mean"])
+    return record
+
+
+def _line(r: dict) -> str:
+    return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f} | kl {r['kl']:.4f} "
+            f"ent {r['entropy']:.3f} clip {r['clip_frac']:.3f} gnorm {r['grad_norm']:.3f} | len {r['response_len_mean']:.1f} "
+            f"| lpdiff {r['logprob_diff_rollout_vs_train']:.4f} | {r['time_step_s']:.1f}s "
+            f"(roll {r['time_rollout_s']:.1f} lp {r['time_logprob_s']:.1f} train {r['time_train_s']:.1f} "
+            f"sync {r['time_sync_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
