@@ -1,0 +1,65 @@
+"""Samples -> micro-batches, and group scoring."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from yatt.algos.update import make_mini_batches
+from yatt.controller.batch import Sample, pack_micro_batches, score_groups
+
+EOS = PAD = 2
+
+
+def _samples():
+    return [
+        Sample([5, 6], [7, EOS], [-0.1, -0.2], "stop", advantage=0.5),
+        Sample([5], [8, 9, 10, 11], [-1.0] * 4, "length", advantage=-0.5),
+        Sample([1, 2, 3], [4, EOS], [-0.3, -0.4], "stop"),
+        Sample([1], [EOS], [-0.05], "stop"),
+    ]
+
+
+def test_micro_batches_cover_every_sample_once_within_budget():
+    samples = _samples()
+    mbs = pack_micro_batches(samples, token_budget=7, pad_id=PAD)
+    seen = sorted(i for mb in mbs for i in mb["index"].tolist())
+    assert seen == [0, 1, 2, 3]
+    for mb in mbs:
+        lens = [samples[i].length for i in mb["index"].tolist()]
+        assert sum(lens) <= 7 or len(lens) == 1
+
+
+def test_micro_batch_rows_masks_and_logprob_alignment():
+    samples = _samples()
+    (mb,) = pack_micro_batches(samples, token_budget=1000, pad_id=PAD)
+    for row, i in enumerate(mb["index"].tolist()):
+        s = samples[i]
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        assert mb["input_ids"][row, : p + r].tolist() == s.prompt_ids + s.response_ids
+        assert (mb["input_ids"][row, p + r :] == PAD).all()
+        assert mb["response_mask"][row].tolist() == [0.0] * p + [1.0] * r + [0.0] * (mb["input_ids"].shape[1] - p - r)
+        assert torch.allclose(mb["rollout_logprobs"][row, p : p + r], torch.tensor(s.rollout_logprobs))
+        assert mb["advantages"][row, 0] == s.advantage
+
+
+def test_mini_batches_keep_global_indices():
+    minis = make_mini_batches(_samples(), mini_batches=2, token_budget=1000, pad_id=PAD)
+    assert [sorted(i for mb in mbs for i in mb["index"].tolist()) for mbs in minis] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="mini_batches=5"):
+        make_mini_batches(_samples(), 5, 1000, PAD)
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids if i != EOS)
+
+
+def test_score_groups_rewards_and_advantages():
+    rows = [SimpleNamespace(prompt_ids=[1], entry={"answer": "7"}), SimpleNamespace(prompt_ids=[3], entry={"answer": "9"})]
+    comp = lambda ids: SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
+    completions = [[comp([7, EOS]), comp([8, EOS])], [comp([9]), comp([9, EOS])]]
+    samples = score_groups(rows, completions, lambda text, e: float(text == e["answer"]), _Tok(), True)
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 1.0]
+    assert samples[0].advantage > 0 > samples[1].advantage
+    assert samples[2].advantage == samples[3].advantage == 0.0  # all-equal group
+    assert samples[1].response_ids == [8, EOS] and samples[2].prompt_ids == [3]

@@ -1,0 +1,182 @@
+"""VLLMEngine on the real SmolLM2-135M (fp32, CPU), one engine for the whole module.
+
+vLLM runs in this pytest process: the fixture builds it once, then restores what it touched
+(threads; torch.distributed if it created the world-of-1 group). The engine constructor
+itself restores the global RNG states and ``torch.set_num_threads``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from yatt.assets.model import SMOLLM2, resolve_model
+from yatt.rollout import Completion, SamplingSpec, VLLMEngine
+
+QUESTIONS = ["What is 2+2?", "Say hi."]
+SCORE_VS_SAMPLE_ATOL = 5e-5  # measured max 5.7e-6 (prefill vs decode kernels, fp32)
+RESTORE_ATOL = 1e-5  # measured 0.0
+HF_ATOL = 1e-3  # engine vs transformers logprobs; measured 3e-5 (6e-5 after a push); stale lm_head: ~2
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(resolve_model(SMOLLM2))
+
+
+@pytest.fixture(scope="module")
+def tok(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    import torch.distributed as dist
+
+    from yatt.dist import init_distributed
+
+    created = not dist.is_initialized()
+    threads = torch.get_num_threads()
+    init_distributed(threads=int(os.environ.get("OMP_NUM_THREADS", 1)))
+    eng = VLLMEngine(path, max_model_len=512, kv_cache_memory_bytes=256 << 20, seed=0)
+    yield eng
+    eng.shutdown()
+    torch.set_num_threads(threads)
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def state(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _check(comps: list[Completion], n: int, max_tokens: int, eos: int) -> None:
+    assert len(comps) == n
+    for c in comps:
+        assert len(c.token_ids) == len(c.logprobs) and 1 <= len(c.token_ids) <= max_tokens
+        assert all(isinstance(t, int) for t in c.token_ids)
+        assert all(isinstance(x, float) and math.isfinite(x) and x <= 0.0 for x in c.logprobs)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
+
+
+def _same(a: list[list[Completion]], b: list[list[Completion]]) -> bool:
+    """Same tokens and finish reasons; logprobs equal up to kernel noise (prefix-cache hits)."""
+    flat = [(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    return [len(x) for x in a] == [len(y) for y in b] and all(
+        x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+        and max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < RESTORE_ATOL for x, y in flat)
+
+
+def test_generate_shapes_and_finish_reasons(engine, prompts, tok):
+    out = engine.generate(prompts, SamplingSpec(n=2, max_tokens=6))
+    assert len(out) == len(prompts)
+    for comps in out:
+        _check(comps, 2, 6, tok.eos_token_id)
+    assert any(c.finish_reason == "length" for comps in out for c in comps)
+    long = engine.generate(prompts, SamplingSpec(n=2, max_tokens=96, temperature=0.0))
+    for comps in long:
+        _check(comps, 2, 96, tok.eos_token_id)
+    assert any(c.finish_reason == "stop" for comps in long for c in comps), "no sample hit EOS"
+    assert engine.generate([], SamplingSpec()) == []
+
+
+def test_greedy_is_deterministic(engine, prompts):
+    spec = SamplingSpec(n=3, max_tokens=16, temperature=0.0)
+    a, b = engine.generate(prompts, spec), engine.generate(prompts, spec)
+    assert _same(a, b)
+    assert all(c == comps[0] for comps in a for c in comps)
+
+
+def test_seeded_sampling_is_reproducible(engine, prompts):
+    spec = SamplingSpec(n=2, max_tokens=16, seed=1234)
+    a, b = engine.generate(prompts, spec), engine.generate(prompts, spec)
+    assert _same(a, b)
+    ids = {tuple(c.token_ids) for comps in a for c in comps}
+    assert len(ids) == 4, "samples of one call should differ"
+    c = engine.generate(prompts, SamplingSpec(n=2, max_tokens=16))
+    assert not _same(c, a)
+
+
+def test_generate_leaves_global_rng_alone(engine, prompts):
+    before = torch.get_rng_state()
+    engine.generate(prompts, SamplingSpec(n=2, max_tokens=4))
+    assert torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_score_matches_sampled_logprobs(engine, prompts, temperature, top_p):
+    # raw_logprobs mode: sampled-token logprobs are the unscaled model's, whatever the temperature
+    out = engine.generate(prompts, SamplingSpec(n=2, max_tokens=32, temperature=temperature, top_p=top_p))
+    seqs, comps = [], []
+    for p, cs in zip(prompts, out):
+        for c in cs:
+            seqs.append(p + c.token_ids)
+            comps.append((len(p), c))
+    scores = engine.score(seqs)
+    for s, seq, (plen, c) in zip(scores, seqs, comps):
+        assert len(s) == len(seq) and s[0] == 0.0
+        assert all(isinstance(x, float) and x <= 0.0 for x in s)
+        diff = max(abs(a - b) for a, b in zip(s[plen:], c.logprobs))
+        assert diff < SCORE_VS_SAMPLE_ATOL, diff
+
+
+def _hf_logprobs(path: str, state: dict, seq: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.load_state_dict(state, strict=False)  # tied lm_head follows embed_tokens
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+    return torch.cat([torch.zeros(1), lp])
+
+
+def test_update_weights_in_place(engine, prompts, state, path):
+    llm, core = engine._llm, engine._llm.llm_engine.engine_core
+    seq = prompts[0] + engine.generate(prompts[:1], SamplingSpec(max_tokens=24, temperature=0.0))[0][0].token_ids
+    base = torch.tensor(engine.score([seq])[0])
+
+    mlp = dict(state)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        key = f"model.layers.3.mlp.{name}.weight"
+        mlp[key] = state[key] * 1.5
+    engine.update_weights(mlp.items())
+    assert (torch.tensor(engine.score([seq])[0]) - base).abs().max() > 1e-2
+    engine.update_weights(state.items())
+    assert (torch.tensor(engine.score([seq])[0]) - base).abs().max() < RESTORE_ATOL
+
+    # Tied embedding: the output layer must follow too (stale pre-packed lm_head trap).
+    emb = dict(state)
+    emb["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * 1.1
+    engine.update_weights(iter(emb.items()))  # any iterable, consumed once
+    got = torch.tensor(engine.score([seq])[0])
+    assert (got - base).abs().max() > 1e-2
+    ref = _hf_logprobs(path, emb, seq)
+    assert (got - ref).abs().max() < HF_ATOL, (got - ref).abs().max()
+    engine.update_weights(state.items())
+    assert (torch.tensor(engine.score([seq])[0]) - base).abs().max() < RESTORE_ATOL
+    assert engine._llm is llm and engine._llm.llm_engine.engine_core is core  # no restart
+
+
+def test_rejects_bad_input(engine):
+    with pytest.raises(ValueError):
+        engine.generate([[]], SamplingSpec())
+    with pytest.raises(ValueError):
+        engine.score([[1] * 600])

@@ -1,0 +1,296 @@
+"""Rollout engine: one in-process vLLM engine per rank (SPMD, data parallel = world / tp).
+
+Every rank builds its own engine after torch.distributed is up; vLLM joins the existing
+process group through ``distributed_executor_backend="external_launcher"``. All methods are
+**collective**: every rank must call them in the same order (``generate`` and ``score`` step
+the engines in lockstep through a DP all-reduce; a rank with no prompts still has to call).
+
+Logprobs: the engine runs with vLLM's ``raw_logprobs`` mode, so ``Completion.logprobs`` holds
+the log-softmax of the *unscaled* model logits at the sampled token (before temperature /
+top-p). With ``temperature=1, top_p=1`` that is exactly the distribution vLLM sampled from,
+and it is what a trainer's teacher-forced ``log_softmax(logits)`` should reproduce.
+Pass ``logprobs_mode="processed_logprobs"`` to get the post-temperature/top-p value instead.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine; must precede vllm import
+
+import contextlib
+import gc
+import random
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
+
+
+@dataclass
+class SamplingSpec:
+    """Sampling settings shared by all prompts of one ``generate`` call.
+
+    n: samples per prompt. max_tokens: response length cap in tokens. temperature: 0 = greedy.
+    top_p: nucleus mass in (0, 1]. seed: None = draw the call's base seed from the engine's
+    private stream (seeded by ``(engine seed, dp_rank)``); an int makes the call reproducible
+    on its own. Prompt i on DP rank r uses request seed ``base + r * 1_000_003 + i * n`` and
+    vLLM gives its k-th sample ``+ k``. Samples never depend on the global RNGs, and
+    ``generate``/``score`` leave the global torch RNG state unchanged.
+    """
+
+    n: int = 1
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled response.
+
+    token_ids: response token ids as sampled (ends with the EOS/stop id when it stopped on one).
+    logprobs: float log-probability (nats) of each sampled token, ``len == len(token_ids)``.
+    finish_reason: ``"stop"`` (EOS/stop token) or ``"length"`` (cut at max_tokens / max_model_len).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def _reload_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Runs on the vLLM worker: in-place reload, then re-pack a tied lm_head.
+
+    On CPU the output layer keeps a pre-packed GEMM handle of the embedding matrix; with
+    tied embeddings no ``lm_head`` weight is loaded, so the reload leaves that handle stale
+    (~4e-2 logprob error) unless the layer's post-load processing runs again.
+    """
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    tied = getattr(worker.model_config.hf_config, "tie_word_embeddings", False)
+    if tied and lm_head is not None and getattr(lm_head, "quant_method", None) is not None:
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def _get_rng_states() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """vLLM's engine teardown destroys torch.distributed's default group; keep the caller's."""
+    from vllm.distributed import parallel_state as ps
+
+    original = ps.destroy_distributed_environment
+
+    def destroy_vllm_world_only():
+        if ps._WORLD:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = destroy_vllm_world_only
+    try:
+        yield
+    finally:
+        ps.destroy_distributed_environment = original
+
+
+def _shutdown_keep_world(core) -> None:
+    with _keep_default_process_group():
+        core.shutdown()
+
+
+class VLLMEngine:
+    """This rank's vLLM engine (TP group of ``tp`` ranks, DP over ``world / tp`` groups).
+
+    Args:
+        model_path: HF folder (config, tokenizer, safetensors).
+        tp: tensor-parallel size; must divide the torch.distributed world size.
+        max_model_len: max prompt + response tokens per sequence.
+        kv_cache_memory_bytes: KV cache size on CPU (on GPU the size comes from
+            ``gpu_memory_utilization``).
+        seed: engine seed; the private sampling stream is seeded with ``(seed, dp_rank)``.
+            vLLM reseeds the global Python/NumPy/torch RNGs while building; this constructor
+            restores the caller's RNG states afterwards, and restores ``torch.set_num_threads``
+            (which vLLM's CPU worker replaces by a no-op) and the thread count.
+        dtype: weights/activations dtype ("float32", "bfloat16", ...).
+        gpu_memory_utilization: fraction of GPU memory for vLLM (GPU only).
+        logprobs_mode: vLLM logprobs mode for sampled tokens ("raw_logprobs" default).
+    Raises:
+        ValueError: ``tp`` does not divide the world size, or ``tp > 1`` without torch.distributed.
+        RuntimeError: torch.distributed is initialised but RANK/LOCAL_RANK/WORLD_SIZE/
+            MASTER_ADDR/MASTER_PORT are missing from the environment.
+    """
+
+    def __init__(self, model_path: str, *, tp: int = 1, max_model_len: int = 1024,
+                 kv_cache_memory_bytes: int = 1 << 30, seed: int = 0, dtype: str = "float32",
+                 gpu_memory_utilization: float = 0.5, logprobs_mode: str = "raw_logprobs"):
+        from vllm import LLM
+
+        self.max_model_len = max_model_len
+        self._owns_world = not dist.is_initialized()  # then vLLM creates (and later destroys) it
+        kwargs: dict = dict(model=str(model_path), tensor_parallel_size=tp, max_model_len=max_model_len,
+                            seed=seed, dtype=dtype, logprobs_mode=logprobs_mode, enable_prefix_caching=True)
+        if dist.is_initialized():
+            world = dist.get_world_size()
+            if world % tp:
+                raise ValueError(f"tp={tp} does not divide world size {world}")
+            missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                       if k not in os.environ]
+            if missing:
+                raise RuntimeError(f"set {missing} before building the engine (yatt.dist.init_distributed)")
+            kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
+            self.dp_rank, self.dp_size = dist.get_rank() // tp, world // tp
+        elif tp > 1:
+            raise ValueError("tp > 1 needs torch.distributed initialised first")
+        else:
+            self.dp_rank, self.dp_size = 0, 1
+        if torch.cuda.is_available():
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization)
+        else:
+            kwargs.update(kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True)
+        rng_states = _get_rng_states()
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            self._llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+            _set_rng_states(rng_states)
+        self._rng = np.random.default_rng((seed, self.dp_rank))
+        if not self._owns_world:  # dropping the engine without shutdown() must not kill the group
+            client = self._llm.llm_engine.engine_core
+            client._finalizer.detach()
+            client._finalizer = weakref.finalize(client, _shutdown_keep_world, client.engine_core)
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        """Sample ``spec.n`` responses for each prompt (collective; may be called with ``[]``).
+
+        Args:
+            prompts: this rank's prompts as token ids (chat template already applied).
+        Returns:
+            ``out[i][k]``: k-th Completion of prompt i; ``len(out) == len(prompts)``,
+            ``len(out[i]) == spec.n``.
+        Raises:
+            ValueError: an empty prompt, a prompt of ``>= max_model_len`` tokens, a token id
+                outside the vocabulary, or invalid spec values (vLLM's validation).
+            RuntimeError: vLLM finished a request for another reason (e.g. abort).
+        """
+        from vllm import SamplingParams
+
+        self._check(prompts, self.max_model_len - 1)
+        greedy = spec.temperature < 1e-5  # vLLM rejects n > 1 when greedy: sample once, copy n times
+        base = spec.seed if spec.seed is not None else int(self._rng.integers(1 << 62))
+        params = []
+        for i in range(len(prompts)):
+            seed = None if greedy else (base + self.dp_rank * _SEED_STRIDE + i * spec.n) % (1 << 62)
+            params.append(SamplingParams(n=1 if greedy else spec.n, max_tokens=spec.max_tokens,
+                                         temperature=spec.temperature, top_p=spec.top_p, seed=seed,
+                                         logprobs=0, detokenize=False))
+        result = []
+        for out in self._run(prompts, params):
+            comps = []
+            for c in out.outputs:
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"request {out.request_id} finished with {c.finish_reason!r}")
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs)]
+                comps.append(Completion(ids, lps, c.finish_reason))
+            if greedy:
+                comps = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason)
+                         for c in comps for _ in range(spec.n)]
+            result.append(comps)
+        return result
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced logprobs under the engine's current weights (collective).
+
+        Args:
+            sequences: token ids (prompt + response), each of length in [1, max_model_len - 1].
+        Returns:
+            ``out[i][t] = log p(seq[t] | seq[:t])`` as floats (nats, raw logits, no
+            temperature); ``out[i][0] = 0.0``; ``len(out[i]) == len(sequences[i])``.
+        Raises:
+            ValueError: an empty or too long sequence, or a token id outside the vocabulary.
+        """
+        from vllm import SamplingParams
+
+        self._check(sequences, self.max_model_len - 1)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self._run(sequences, [params] * len(sequences))
+        return [[0.0] + [float(d[t].logprob) for t, d in zip(seq[1:], out.prompt_logprobs[1:])]
+                for seq, out in zip(sequences, outs)]
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights in place (no restart) and drop the prefix cache (collective).
+
+        Args:
+            weights: ``(hf_name, tensor)`` pairs of full (unsharded) tensors in HF naming, e.g.
+                ``model.layers.0.mlp.gate_proj.weight``; any float dtype (cast to the engine's).
+                Send whole vLLM modules: q/k/v of a layer together, gate/up together (the
+                full state dict is the safe choice); modules not sent keep their weights.
+                A tied ``lm_head.weight`` is ignored (it follows ``model.embed_tokens.weight``).
+        Raises:
+            KeyError / RuntimeError from vLLM's loader for unknown names or wrong shapes.
+        """
+        llm = self._live()
+        llm.collective_rpc(_reload_on_worker, args=(iter(weights),))
+        llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Free the engine (KV cache, weights); idempotent, collective under DP/TP.
+
+        A torch.distributed default group that existed before the engine stays usable (vLLM's
+        own teardown would destroy it); only vLLM's subgroups are destroyed.
+        """
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        with contextlib.nullcontext() if self._owns_world else _keep_default_process_group():
+            llm.llm_engine.engine_core.shutdown()
+        self._llm = None
+        del llm
+        gc.collect()
+
+    # ------------------------------------------------------------------ helpers
+    def _run(self, prompts: list[list[int]], params: list) -> list:
+        """Add requests and step the engine until every DP rank is done (outputs in order)."""
+        llm = self._live()
+        # vLLM's CPU sampler draws from the global torch RNG even when every request is seeded
+        # (the draws are overwritten); fork it so the caller's RNG stream is left untouched.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def _live(self):
+        if self._llm is None:
+            raise RuntimeError("engine was shut down")
+        return self._llm
+
+    def _check(self, seqs: list[list[int]], max_len: int) -> None:
+        """Validate before any request is added (a half-added batch would leak into the next call)."""
+        vocab = self._live().llm_engine.model_config.get_vocab_size()
+        for i, s in enumerate(seqs):
+            if not 0 < len(s) <= max_len:
+                raise ValueError(f"sequence {i} has {len(s)} tokens; allowed 1..{max_len}")
+            if min(s) < 0 or max(s) >= vocab:
+                raise ValueError(f"sequence {i} has token ids outside [0, {vocab})")
