@@ -1,0 +1,276 @@
+"""The policy on Megatron-Core: teacher-forced logprobs, a training step, HF weight export.
+
+One :class:`MegatronPolicy` per role (actor with an optimizer, frozen reference without) on
+every rank. World = TP x DP (pipeline size 1). Gradients of one :meth:`MegatronPolicy.train_step`
+are the plain SUM over DP ranks and micro-batches of the caller's loss: Megatron's
+``1/num_microbatches`` and ``1/DP`` scalings are switched off (``calculate_per_token_loss=True``
+with a gradient finaliser that does not divide by the token count), so the loss function alone
+decides the normalisation.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from yatt.trainer import megatron_cpu
+from yatt.trainer.hf_mapping import megatron_to_hf, tp_shard_dim
+from yatt.trainer.model import build_gpt_model
+
+_PADDED_LOGIT = -1e30  # logit of vocab padding rows: exp() underflows to exactly 0
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (Megatron optimizer) with linear warmup then cosine decay to ``min_lr``.
+
+    Step k (0-based) runs at Megatron's ``OptimizerParamScheduler`` value for k: with warmup
+    the first step has lr 0, like Megatron and HF schedules.
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1
+
+
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``targets`` and entropy from logits split over the TP vocab shards.
+
+    Args:
+        logits: [B, T, Vp/tp] this TP rank's slice of the vocabulary (rank r holds ids
+            ``[r*Vp/tp, (r+1)*Vp/tp)``), any float dtype. Consumed: Megatron's cross entropy
+            subtracts the max from it in place.
+        targets: [B, T] int64 token ids (< vocab_size).
+        vocab_size: true vocab size V; ids in ``[V, Vp)`` are padding and get probability 0.
+    Returns:
+        (logprobs [B, T] fp32, differentiable w.r.t. ``logits``; entropy [B, T] fp32, no grad),
+        both at the position of the logits (``logits[:, t]`` scores ``targets[:, t]``).
+        Identical on every TP rank; full logits are never gathered.
+    Source: ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` for the logprobs,
+    max / sum all-reduces over the TP group for the entropy.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    logits = logits.float()
+    if start + local > vocab_size:
+        padded = torch.arange(start, start + local, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, _PADDED_LOGIT)
+    with torch.no_grad():
+        shifted = logits.detach() - _all_reduce(logits.detach().amax(-1, keepdim=True), dist.ReduceOp.MAX, group)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(-1), dist.ReduceOp.SUM, group)
+        sum_exp_shifted = _all_reduce((exp * shifted).sum(-1), dist.ReduceOp.SUM, group)
+        entropy = sum_exp.log() - sum_exp_shifted / sum_exp
+        del shifted, exp
+    logprobs = -vocab_parallel_cross_entropy(logits, targets)
+    return logprobs, entropy
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _shift_right(x: torch.Tensor) -> torch.Tensor:
+    """[B, T] scores at the predicting position -> at the predicted token (0 at t = 0)."""
+    return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
+
+
+class MegatronPolicy:
+    """A causal LM on Megatron-Core, loaded from an HF folder, on every rank of the job.
+
+    Args:
+        hf_path: HF folder (Llama / Qwen2, safetensors).
+        tp: tensor-parallel size; DP = world / tp. Initialises Megatron ``parallel_state``
+            (TP=tp, PP=1) unless already initialised with the same TP.
+        optim: None for a frozen model (reference policy: no grads, no optimizer).
+        dtype: parameter dtype, fp32 or bf16 (bf16 trains with fp32 main params and grads).
+    Raises:
+        RuntimeError: torch.distributed is not initialised (call ``yatt.dist.init_distributed``).
+        ValueError: parallel_state exists with another TP, world not divisible by tp, fp16, or
+            ``optim.warmup_steps >= optim.total_steps``.
+    Side effects: installs :mod:`yatt.trainer.megatron_cpu` on CPU; sets up Megatron's RNG
+    tracker (seed 1234) without disturbing the global torch RNG.
+    """
+
+    def __init__(self, hf_path: str | Path, *, tp: int = 1, optim: OptimConfig | None = None,
+                 dtype: torch.dtype = torch.float32):
+        megatron_cpu.apply()
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call yatt.dist.init_distributed() first")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype {dtype} not supported (fp32 or bf16)")
+        if dist.get_world_size() % tp:
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP={tp}")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        elif parallel_state.get_tensor_model_parallel_world_size() != tp:
+            raise ValueError(f"Megatron parallel_state already has TP="
+                             f"{parallel_state.get_tensor_model_parallel_world_size()}, asked for TP={tp}")
+        with torch.random.fork_rng(devices=[]):
+            model_parallel_cuda_manual_seed(1234)
+        self.tp, self.dp = tp, parallel_state.get_data_parallel_world_size()
+        self.optim = optim
+        self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, calculate_per_token_loss=True)
+        self.config = self.model.config
+        self.module = self.model  # the bare GPTModel (this TP rank's shard), under any wrappers
+        if dtype == torch.bfloat16:
+            from megatron.core.transformer.module import Float16Module
+
+            self.model = Float16Module(self.config, self.model)
+        self.optimizer = self.scheduler = None
+        if optim is None:
+            self.model.requires_grad_(False)
+            self.model.eval()
+        else:
+            self._setup_training(optim, dtype)
+
+    def _setup_training(self, optim: OptimConfig, dtype: torch.dtype) -> None:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if not 0 <= optim.warmup_steps < optim.total_steps:
+            raise ValueError(f"need 0 <= warmup_steps < total_steps, got {optim.warmup_steps}, {optim.total_steps}")
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(self.config, ddp_config, self.model)
+        # Sum, not mean: finalise grads (DP all-reduce) without dividing by the token count.
+        self.config.finalize_model_grads_func = (
+            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype), [self.model])
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=optim.total_steps, lr_decay_style="cosine",
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=optim.total_steps,
+            wd_incr_style="constant")
+
+    # ---- forward -------------------------------------------------------------------------
+    def _forward_step(self, loss_fn, data_iterator, model):
+        device = self.module.embedding.word_embeddings.weight.device
+        mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
+        ids = mb["input_ids"]
+        position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        logits = model(ids, position_ids, None)  # [B, T, Vp/tp]
+        return logits, partial(self._loss, loss_fn, mb)
+
+    def _loss(self, loss_fn, mb: dict, logits: torch.Tensor):
+        ids = mb["input_ids"]
+        targets = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
+        logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, self.layout.vocab_size)
+        logprobs, entropy = _shift_right(logprobs), _shift_right(entropy)
+        loss, stats = loss_fn(logprobs, entropy, mb)
+        # (loss, num_tokens, reported): 3 outputs + calculate_per_token_loss -> no rescaling.
+        return loss, torch.zeros((), dtype=torch.int), stats
+
+    def _run(self, micro_batches: list[dict], loss_fn, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micro_batches),
+            model=[self.model], num_microbatches=len(micro_batches),
+            seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
+            micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro_batches),
+            forward_only=forward_only)
+
+    def compute_logprobs(self, micro_batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Teacher-forced logprobs and entropies, without grad.
+
+        Args:
+            micro_batches: dicts with ``input_ids`` [B, T] int64 (right-padded, causal,
+                positions 0..T-1); other keys are ignored.
+        Returns:
+            One (logprobs [B, T] fp32, entropy [B, T] fp32) per micro-batch, on the model's
+            device, identical on all TP ranks. For t >= 1
+            ``logprobs[:, t] = log p(ids[:, t] | ids[:, :t])`` and ``entropy[:, t]`` is the
+            entropy of that predictive distribution; both are 0 at t = 0.
+        """
+        def keep(logprobs, entropy, mb):
+            return logprobs.new_zeros(()), {"logprobs": logprobs, "entropy": entropy}
+
+        if not micro_batches:
+            return []
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = self._run(micro_batches, keep, forward_only=True)
+        finally:
+            self.model.train(training)
+        return [(o["logprobs"], o["entropy"]) for o in out]
+
+    # ---- training ------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
+        """One optimizer step on the sum of ``loss_fn`` over micro-batches and DP ranks.
+
+        Args:
+            micro_batches: this DP rank's micro-batches (same on every TP rank), each a dict
+                with ``input_ids`` [B, T] int64 plus whatever ``loss_fn`` reads.
+            loss_fn: ``(logprobs [B, T] with grad, entropy [B, T] detached, mb) -> (loss 0-dim,
+                stats {name: 0-dim tensor})``; logprobs/entropy as in :meth:`compute_logprobs`.
+        Returns:
+            ``{"grad_norm": pre-clip global grad norm, "lr": lr used by this step, **stats}``
+            as floats; each stat is summed over this rank's micro-batches (not reduced over DP).
+        Raises:
+            RuntimeError: the policy is frozen (``optim=None``).
+            ValueError: no micro-batches.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen MegatronPolicy (optim=None)")
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run(micro_batches, loss_fn, forward_only=False)  # entropy has no grad
+        lr = self.optimizer.param_groups[0]["lr"]
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        stats = {"grad_norm": float(grad_norm), "lr": float(lr)}
+        for name in out[0] if out else ():
+            stats[name] = float(sum(o[name].detach().float() for o in out))
+        return stats
+
+    # ---- export --------------------------------------------------------------------------
+    @torch.no_grad()
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) for every weight, in the parameter dtype, on every rank.
+
+        Collective over the TP group: all TP ranks must consume the iterator fully, in step.
+        Tied embeddings give ``model.embed_tokens.weight`` only; vocab padding is stripped.
+        Tensors may share storage with the live parameters: copy them to keep a snapshot.
+        """
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        for name, param in self.module.named_parameters():
+            shards = [param.detach()]
+            if self.tp > 1 and tp_shard_dim(name) is not None:
+                shards = [torch.empty_like(param) for _ in range(self.tp)]
+                dist.all_gather(shards, param.detach().contiguous(), group=group)
+            yield from megatron_to_hf(name, shards, self.layout)

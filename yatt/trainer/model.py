@@ -1,0 +1,118 @@
+"""Build a Megatron-Core GPTModel from a Hugging Face folder (Llama / Qwen2) and load its weights.
+
+Megatron's ``parallel_state`` must be initialised first: the model is built for this process's
+TP rank (pipeline size 1). Layers use the local spec (``get_gpt_layer_local_spec``, no
+Transformer Engine) so the model also runs on CPU (see :mod:`yatt.trainer.megatron_cpu`).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from yatt.trainer.hf_mapping import Layout, gpt_model_kwargs, hf_to_megatron, layout_from_hf, transformer_config
+
+
+def read_hf_config(hf_path: str | Path) -> dict:
+    """The ``config.json`` of an HF folder as a dict."""
+    return json.loads((Path(hf_path) / "config.json").read_text())
+
+
+class SafetensorsState(Mapping):
+    """Read-only, lazy ``name -> tensor`` view of an HF folder's safetensors files.
+
+    Handles a single ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+    Each access reads the tensor from disk (CPU, stored dtype).
+
+    Raises:
+        FileNotFoundError: the folder has no safetensors weights.
+    """
+
+    def __init__(self, hf_path: str | Path):
+        root = Path(hf_path)
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {name: root / f for name, f in weight_map.items()}
+        elif (root / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(root / "model.safetensors", framework="pt") as f:
+                self._files = {name: root / "model.safetensors" for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors(.index.json) in {root}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], layout: Layout,
+                    tp_rank: int) -> None:
+    """Copy HF weights into a bare GPTModel (this TP rank's shards), casting to the param dtype.
+
+    Raises:
+        ValueError: a shape differs, or the model and the mapping disagree on parameter names.
+    """
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in hf_to_megatron(hf_state, layout, tp_rank):
+        if name not in params:
+            raise ValueError(f"mapping produced {name!r}, which the model does not have")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"{name}: model shape {tuple(params[name].shape)} != mapped {tuple(tensor.shape)}")
+        params[name].copy_(tensor)
+        loaded.add(name)
+    if missing := set(params) - loaded:
+        raise ValueError(f"parameters not loaded from HF: {sorted(missing)}")
+
+
+def _skip_init(weight: torch.Tensor) -> None:
+    """No-op init method: every weight is overwritten by the checkpoint."""
+
+
+def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, **config_overrides):
+    """GPTModel for this TP rank with the HF folder's weights loaded.
+
+    Args:
+        hf_path: HF folder with ``config.json`` and safetensors weights.
+        dtype: parameter dtype (``params_dtype``).
+        config_overrides: extra ``TransformerConfig`` fields (e.g. ``calculate_per_token_loss``).
+    Returns:
+        (model, layout): the bare ``GPTModel`` (train mode, on CPU or the current CUDA device)
+        and its :class:`~yatt.trainer.hf_mapping.Layout`.
+    Raises:
+        RuntimeError: Megatron parallel_state is not initialised.
+        NotImplementedError / ValueError: see :func:`~yatt.trainer.hf_mapping.layout_from_hf`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("initialise Megatron parallel_state (initialize_model_parallel) first")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    hf = read_hf_config(hf_path)
+    layout = layout_from_hf(hf, tp)
+    # Megatron 0.16.1 sets the TP attributes of parameters (tensor_model_parallel, partition_dim,
+    # read by grad-norm and clipping) only inside its init path: with perform_initialization=False
+    # TP>1 grad norms are wrong. So initialisation runs, with no-op init methods (fast).
+    config_overrides = dict(init_method=_skip_init, output_layer_init_method=_skip_init,
+                            embedding_init_method=_skip_init, **config_overrides)
+    config = transformer_config(hf, tp=tp, dtype=dtype, perform_initialization=True, **config_overrides)
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), **gpt_model_kwargs(hf, tp))
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    load_hf_weights(model, SafetensorsState(hf_path), layout, parallel_state.get_tensor_model_parallel_rank())
+    return model, layout
