@@ -242,3 +242,38 @@ def test_bf16_policy_trains(world1, tmp_path):
     stats = policy.train_step(mbs, ref.sum_logprob_loss)
     assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
     assert dict(policy.export_hf_weights())["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def _prompt_masked(micro_batches):
+    """Micro-batches whose ``response_mask`` covers only the second half of each sequence."""
+    out = []
+    for mb in micro_batches:
+        half = (mb["mask"].sum(1, keepdim=True) / 2).ceil()
+        resp = mb["mask"] * (torch.arange(mb["mask"].shape[1]) >= half)
+        out.append({**mb, "response_mask": resp})
+    return out
+
+
+def test_response_only_scoring_matches_full_forward(smol, frozen, micro_batches):
+    """With a response_mask the output layer runs on response positions only: same numbers there."""
+    masked = _prompt_masked(micro_batches)
+    for (lp, ent), (full_lp, full_ent), mb in zip(frozen.compute_logprobs(masked), frozen.compute_logprobs(micro_batches), masked):
+        m = mb["response_mask"] > 0
+        assert m.any() and (lp[~m] == 0).all() and (ent[~m] == 0).all()
+        assert (lp[m] - full_lp[m]).abs().max().item() < 1e-5
+        assert (ent[m] - full_ent[m]).abs().max().item() < 1e-5
+
+
+def test_response_only_gradient_matches_transformers(smol):
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+
+    path, hf, tok = smol
+    masked = _prompt_masked(ref.make_micro_batches(tok, ref.TEXTS, per_mb=2))
+
+    def loss_fn(logprobs, entropy, mb):
+        loss = -(logprobs * mb["response_mask"]).sum()
+        return loss, {"loss": loss.detach()}
+
+    hf_norm = ref.hf_grad_norm(hf, masked, loss_fn)
+    stats = MegatronPolicy(path, optim=OptimConfig(lr=1e-6)).train_step(masked, loss_fn)
+    assert abs(stats["grad_norm"] - hf_norm) <= ref.GRAD_NORM_RTOL * hf_norm, (stats["grad_norm"], hf_norm)

@@ -63,6 +63,10 @@ class AlgoConfig(_Section):
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.28, ge=0)  # DAPO's clip-higher
     kl_coef: float = Field(0.0, ge=0)  # 0: no reference model is loaded
+    # False: old logprobs are the engine's rollout logprobs (exact on-policy when the synced
+    # engine matches the trainer, see logprob_diff_rollout_vs_train) and the trainer's extra
+    # forward pass is skipped.
+    recompute_old_logprobs: bool = True
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     norm_adv_by_std: bool = True
     ppo_epochs: int = Field(1, gt=0)

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from yatt.config import ConfigError, load_config
 
@@ -18,8 +19,11 @@ def _setup_env(threads: int | None) -> None:
     # vLLM on CPU: in-process engine (multiprocess init is ~10x slower and doubles memory).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine build chatter; export INFO to see it
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Megatron-Core announces each CUDA-only fused kernel it falls back from; on CPU that is expected.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
 def main(argv: list[str] | None = None) -> int:

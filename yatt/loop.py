@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -42,8 +43,9 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                         adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
-    actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=cfg.model.dtype)
-    ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
+    dtype = getattr(torch, cfg.model.dtype)
+    actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=dtype)
+    ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
     tp_group, dp_group = _groups(t.tp)
     engine = VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
                         kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
@@ -66,9 +68,10 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             samples = _gather(samples, tp_group, t.tp)
         mini_batches = make_mini_batches(samples, cfg.algo.mini_batches, t.micro_batch_tokens, tokenizer.pad_token_id)
         with timer("logprob"):
-            sums.update(compute_logprobs(actor, ref, mini_batches))
+            logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
         with timer("train"):
             sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group))
+        sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
         with timer("sync"):
             engine.update_weights(actor.export_hf_weights())
         timer.times["time_step_s"] = time.perf_counter() - t0
@@ -139,6 +142,6 @@ def _eval_record(step, engine, rows, reward_fn, tokenizer, cfg: Config, writer: 
 def _line(r: dict) -> str:
     return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f} | kl {r['kl']:.4f} "
             f"ent {r['entropy']:.3f} clip {r['clip_frac']:.3f} gnorm {r['grad_norm']:.3f} | len {r['response_len_mean']:.1f} "
-            f"| lpdiff {r['logprob_diff_rollout_vs_train']:.4f} | {r['time_step_s']:.1f}s "
+            f"| lpdiff {r['logprob_diff_rollout_vs_train']:.1e} | {r['time_step_s']:.1f}s "
             f"(roll {r['time_rollout_s']:.1f} lp {r['time_logprob_s']:.1f} train {r['time_train_s']:.1f} "
             f"sync {r['time_sync_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")

@@ -14,14 +14,17 @@ class GRPOLoss:
     the response-token count of the whole mini-batch across data-parallel ranks, so the summed
     gradient over micro-batches and ranks is the token mean (DAPO eq. 10).
 
-    Micro-batch keys read: ``response_mask``, ``old_logprobs``, ``advantages`` (``[B, 1]``),
-    and ``ref_logprobs`` when ``kl_coef > 0``. Stats returned are sums over response tokens:
-    ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``, ``ratio``, ``tokens``.
+    Micro-batch keys read: ``response_mask``, ``old_logprobs``, ``rollout_logprobs``,
+    ``advantages`` (``[B, 1]``), and ``ref_logprobs`` when ``kl_coef > 0``. Stats returned are
+    sums over response tokens: ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``, ``ratio``,
+    ``entropy``, ``tokens``, and, with ``on_policy`` (weights not yet updated this step),
+    ``logprob_diff_rollout_vs_train`` and ``diff_tokens``.
     """
 
-    def __init__(self, cfg: AlgoConfig, num_tokens: float):
+    def __init__(self, cfg: AlgoConfig, num_tokens: float, on_policy: bool = False):
         self.cfg = cfg
         self.num_tokens = max(float(num_tokens), 1.0)
+        self.on_policy = on_policy
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
@@ -41,6 +44,10 @@ class GRPOLoss:
                 "ppo_kl": masked_sum(kl_penalty(logprobs, mb["old_logprobs"], "k3"), mask),
                 "clip_frac": masked_sum(clipped.float(), mask),
                 "ratio": masked_sum(ratio, mask),
+                "entropy": masked_sum(entropy, mask),
                 "tokens": mask.sum(),
             }
+            if self.on_policy:
+                stats["logprob_diff_rollout_vs_train"] = masked_sum((logprobs - mb["rollout_logprobs"]).abs(), mask)
+                stats["diff_tokens"] = mask.sum()
         return loss, stats

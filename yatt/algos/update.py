@@ -32,46 +32,66 @@ def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: in
     return out
 
 
-def compute_logprobs(actor, ref, mini_batches: list[list[dict]]) -> dict[str, tuple[float, float]]:
-    """Fill ``old_logprobs``/``entropy`` (and ``ref_logprobs`` if ``ref``) into every micro-batch.
+def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: bool = True) -> dict[str, tuple[float, float]]:
+    """Fill ``old_logprobs`` (and ``ref_logprobs`` if ``ref``) into every micro-batch.
 
+    Args:
+        recompute_old: old logprobs from a trainer forward pass; False reuses the engine's
+            rollout logprobs (exact only while engine and trainer agree, which the on-policy
+            ``logprob_diff_rollout_vs_train`` metric keeps measuring).
     Returns:
-        (sum, count) pairs over response tokens: ``entropy``, ``logprob_diff_rollout_vs_train``
-        (mean |rollout logprob - trainer logprob|, the engine/trainer mismatch).
+        (sum, count) pairs over response tokens when recomputed: ``entropy`` and
+        ``logprob_diff_rollout_vs_train`` (mean |rollout logprob - trainer logprob|).
     """
     flat = [mb for mbs in mini_batches for mb in mbs]
-    ent = diff = count = 0.0
-    for mb, (lp, en) in zip(flat, actor.compute_logprobs(flat)):
-        mb["old_logprobs"], mb["entropy"] = lp, en
-        mask = mb["response_mask"]
-        ent += float((en * mask).sum())
-        diff += float(((lp - mb["rollout_logprobs"]).abs() * mask).sum())
-        count += float(mask.sum())
+    sums: dict[str, tuple[float, float]] = {}
+    if recompute_old:
+        ent = diff = count = 0.0
+        for mb, (lp, en) in zip(flat, actor.compute_logprobs(flat)):
+            mask = mb["response_mask"]
+            mb["old_logprobs"] = lp
+            ent += float((en * mask).sum())
+            diff += float(((lp - mb["rollout_logprobs"]).abs() * mask).sum())
+            count += float(mask.sum())
+        sums = {"entropy": (ent, count), "logprob_diff_rollout_vs_train": (diff, count)}
+    else:
+        for mb in flat:
+            mb["old_logprobs"] = mb["rollout_logprobs"]
     if ref is not None:
         for mb, (lp, _) in zip(flat, ref.compute_logprobs(flat)):
             mb["ref_logprobs"] = lp
-    return {"entropy": (ent, count), "logprob_diff_rollout_vs_train": (diff, count)}
+    return sums
 
 
 def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None) -> dict[str, tuple[float, float]]:
     """Run ``cfg.ppo_epochs`` passes of one optimizer step per mini-batch.
 
     Returns:
-        (sum, count) pairs: token sums of ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``,
-        ``ratio`` over response tokens; ``grad_norm`` and ``lr`` averaged over optimizer steps.
+        (sum, count) pairs: token means of ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``,
+        ``ratio`` and ``entropy`` (first epoch) over response tokens; ``grad_norm`` and ``lr``
+        averaged over optimizer steps; ``logprob_diff_rollout_vs_train`` from the first
+        mini-batch (the one trained before any update). Without a reference model
+        (``kl_coef == 0``) ``kl`` is the KL to this step's rollout policy (``ppo_kl``).
     """
     totals: dict[str, float] = {}
     steps = 0
-    for _ in range(cfg.ppo_epochs):
-        for mbs in mini_batches:
+    for epoch in range(cfg.ppo_epochs):
+        for i, mbs in enumerate(mini_batches):
             tokens = torch.tensor([float(sum(mb["response_mask"].sum() for mb in mbs))], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(tokens, group=dp_group)
-            out = actor.train_step(mbs, GRPOLoss(cfg, float(tokens)))
+            out = actor.train_step(mbs, GRPOLoss(cfg, float(tokens), on_policy=epoch == 0 and i == 0))
+            if epoch > 0:
+                out.pop("entropy", None)
+                out["epoch_tokens"] = out.pop("tokens", 0.0)
             for k, v in out.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
             steps += 1
-    tokens = totals.pop("tokens", 0.0)
+    tokens = totals.get("tokens", 0.0) + totals.get("epoch_tokens", 0.0)
     result = {k: (totals.get(k, 0.0), tokens) for k in ("pg_loss", "kl", "ppo_kl", "clip_frac", "ratio")}
+    result["entropy"] = (totals.get("entropy", 0.0), totals.get("tokens", 0.0))
+    result["logprob_diff_rollout_vs_train"] = (totals.get("logprob_diff_rollout_vs_train", 0.0), totals.get("diff_tokens", 0.0))
     result.update({k: (totals.get(k, 0.0), steps) for k in ("grad_norm", "lr")})
+    if cfg.kl_coef == 0:
+        result["kl"] = result["ppo_kl"]
     return result

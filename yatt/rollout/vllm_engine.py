@@ -19,6 +19,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine; must pr
 
 import contextlib
 import gc
+import logging
 import random
 import weakref
 from collections.abc import Iterable
@@ -29,6 +30,20 @@ import torch
 import torch.distributed as dist
 
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
+# Expected on every CPU weight push / build (see ENVIRONMENT.md): RoPE and the tied lm_head
+# have no checkpoint weights, and the CPU worker pins its thread count.
+_KNOWN_NOISE = ("Failed to load weights", "torch.set_num_threads` after the thread binding")
+
+
+class _DropKnownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(s in record.getMessage() for s in _KNOWN_NOISE)
+
+
+def _quiet_vllm_logs() -> None:
+    for handler in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, _DropKnownNoise) for f in handler.filters):
+            handler.addFilter(_DropKnownNoise())
 
 
 @dataclass
@@ -143,6 +158,8 @@ class VLLMEngine:
                  kv_cache_memory_bytes: int = 1 << 30, seed: int = 0, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.5, logprobs_mode: str = "raw_logprobs"):
         from vllm import LLM
+
+        _quiet_vllm_logs()
 
         self.max_model_len = max_model_len
         self._owns_world = not dist.is_initialized()  # then vLLM creates (and later destroys) it

@@ -87,6 +87,20 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+def _scored_positions(mb: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, position) pairs whose next token is a response token, or None (score all)."""
+    mask = mb.get("response_mask")
+    if mask is None:
+        return None
+    return torch.nonzero(mask[:, 1:] > 0, as_tuple=True)
+
+
+def _select_hidden(select, module, args, kwargs):
+    """Output-layer pre-hook: keep the hidden states [S, B, H] of ``select`` only -> [N, 1, H]."""
+    rows, cols = select
+    return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
+
+
 def _shift_right(x: torch.Tensor) -> torch.Tensor:
     """[B, T] scores at the predicting position -> at the predicted token (0 at t = 0)."""
     return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
@@ -175,14 +189,28 @@ class MegatronPolicy:
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         ids = mb["input_ids"]
         position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        logits = model(ids, position_ids, None)  # [B, T, Vp/tp]
-        return logits, partial(self._loss, loss_fn, mb)
+        select = _scored_positions(mb)
+        hook = None
+        if select is not None:  # the output layer runs on scored positions only
+            hook = self.module.output_layer.register_forward_pre_hook(partial(_select_hidden, select), with_kwargs=True)
+        try:
+            logits = model(ids, position_ids, None)  # [B, T, Vp/tp], or [1, N, Vp/tp] when selected
+        finally:
+            if hook is not None:
+                hook.remove()
+        return logits, partial(self._loss, loss_fn, mb, select)
 
-    def _loss(self, loss_fn, mb: dict, logits: torch.Tensor):
+    def _loss(self, loss_fn, mb: dict, select, logits: torch.Tensor):
         ids = mb["input_ids"]
-        targets = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
-        logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, self.layout.vocab_size)
-        logprobs, entropy = _shift_right(logprobs), _shift_right(entropy)
+        if select is None:
+            targets = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
+            logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, self.layout.vocab_size)
+            logprobs, entropy = _shift_right(logprobs), _shift_right(entropy)
+        else:
+            rows, cols = select  # logits at position t score the token at t + 1
+            lp, ent = vocab_parallel_logprobs_entropy(logits, ids[rows, cols + 1].unsqueeze(0), self.layout.vocab_size)
+            logprobs = ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), lp[0])
+            entropy = ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), ent[0])
         loss, stats = loss_fn(logprobs, entropy, mb)
         # (loss, num_tokens, reported): 3 outputs + calculate_per_token_loss -> no rescaling.
         return loss, torch.zeros((), dtype=torch.int), stats
@@ -202,7 +230,9 @@ class MegatronPolicy:
 
         Args:
             micro_batches: dicts with ``input_ids`` [B, T] int64 (right-padded, causal,
-                positions 0..T-1); other keys are ignored.
+                positions 0..T-1) and optionally ``response_mask`` [B, T]: then only the
+                masked tokens are scored (the output layer runs on those positions alone) and
+                every other position is 0. Other keys are ignored.
         Returns:
             One (logprobs [B, T] fp32, entropy [B, T] fp32) per micro-batch, on the model's
             device, identical on all TP ranks. For t >= 1
