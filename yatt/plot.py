@@ -40,7 +40,8 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(out) if out else Path(run_dir) / "curves.png"
     fig.savefig(out, dpi=110)

@@ -31,19 +31,28 @@ import torch.distributed as dist
 
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
 # Expected on every CPU weight push / build (see ENVIRONMENT.md): RoPE and the tied lm_head
-# have no checkpoint weights, and the CPU worker pins its thread count.
-_KNOWN_NOISE = ("Failed to load weights", "torch.set_num_threads` after the thread binding")
+# have no checkpoint weights, and the CPU worker pins its thread count. Filtered on the
+# loggers that emit them (vLLM configures its handlers lazily).
+_KNOWN_NOISE = {
+    "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
+    "vllm.v1.worker.cpu_worker": "torch.set_num_threads` after the thread binding",
+}
 
 
 class _DropKnownNoise(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(s in record.getMessage() for s in _KNOWN_NOISE)
+        return self.text not in record.getMessage()
 
 
 def _quiet_vllm_logs() -> None:
-    for handler in logging.getLogger("vllm").handlers:
-        if not any(isinstance(f, _DropKnownNoise) for f in handler.filters):
-            handler.addFilter(_DropKnownNoise())
+    for name, text in _KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownNoise) for f in logger.filters):
+            logger.addFilter(_DropKnownNoise(text))
 
 
 @dataclass
