@@ -57,3 +57,10 @@ def test_launch_rejects_bad_config_before_loading_anything():
 
 def test_defaults_are_valid():
     assert Config().trainer.total_steps > 0
+
+
+def test_cross_field_checks_name_the_key():
+    with pytest.raises(ConfigError, match="algo.mini_batches"):
+        load_config(RECIPE, ["trainer.prompts_per_rank=1", "rollout.n=2", "algo.mini_batches=4"])
+    with pytest.raises(ConfigError, match="config key 'rollout.tp'"):
+        load_config(RECIPE, ["rollout.tp=2"])

@@ -48,7 +48,7 @@ class RolloutConfig(_Section):
     max_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    tp: int = Field(1, gt=0)
+    tp: Literal[1] = 1  # each rank's engine serves its own prompts (rollout TP > 1: not yet)
     max_model_len: int = Field(512, gt=0)
     kv_cache_memory_bytes: int = Field(256 << 20, gt=0)
 
@@ -108,6 +108,9 @@ class Config(_Section):
     def _check(self) -> "Config":
         if self.data.source == "file" and not self.data.train_files:
             raise ValueError("data.train_files: required when data.source is 'file'")
+        if self.trainer.prompts_per_rank * self.rollout.n < self.algo.mini_batches:
+            raise ValueError("algo.mini_batches: more mini-batches than samples per rank "
+                             "(trainer.prompts_per_rank * rollout.n)")
         if self.trainer.lr < self.trainer.min_lr:
             raise ValueError("trainer.min_lr: must not exceed trainer.lr")
         return self

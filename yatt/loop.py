@@ -46,7 +46,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     dtype = getattr(torch, cfg.model.dtype)
     actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=dtype)
     ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
-    tp_group, dp_group = _groups(t.tp)
+    tp_group, dp_group = _groups()
     engine = VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
                         kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
                         dtype=cfg.model.dtype)
@@ -59,7 +59,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
         timer, t0 = PhaseTimer(), time.perf_counter()
         rows = shard.next_batch()
         with timer("rollout"):
-            spec.seed = (cfg.seed * 1_000_003 + step) * 4099 + info.rank
+            spec.seed = (cfg.seed * 1_000_003 + step) * 4099 + info.rank  # reproducible per step and rank
             completions = engine.generate([r.prompt_ids for r in rows], spec)
         with timer("reward"):
             samples = score_groups(rows, completions, reward_fn, tokenizer, cfg.algo.norm_adv_by_std)
@@ -109,7 +109,7 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo):
     return train, evals
 
 
-def _groups(tp: int):
+def _groups():
     from megatron.core import parallel_state as mpu
 
     return mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
