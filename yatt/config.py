@@ -53,9 +53,24 @@ class RolloutConfig(_Section):
     kv_cache_memory_bytes: int = Field(256 << 20, gt=0)
 
 
+class GenRMConfig(_Section):
+    model: str = "qwen2.5-coder-0.5b-instruct"  # packaged judge name or local HF folder
+    template: str = "correctness_yesno"  # built-in template name or a file path
+    mode: Literal["verdict", "prob"] = "prob"  # parse the judge's text, or P(yes) of its first token
+    k: int = Field(1, gt=0)  # judgements per response, averaged
+    max_tokens: int = Field(64, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    timeout_s: float = Field(120.0, gt=0)  # unfinished judge requests are aborted, scored unparsable
+    unparsable_score: float = Field(0.0, ge=0, le=1)
+    weight: float = Field(0.5, ge=0, le=1)  # genrm_with_rule: (1 - weight) * rule + weight * genrm
+    max_model_len: int = Field(1024, gt=0)
+    kv_cache_memory_bytes: int = Field(256 << 20, gt=0)
+
+
 class RewardConfig(_Section):
-    type: Literal["rule"] = "rule"
+    type: Literal["rule", "genrm", "genrm_with_rule"] = "rule"
     extract: Literal["answer_tag", "answer_tag_or_last_number"] = "answer_tag_or_last_number"
+    genrm: GenRMConfig = Field(default_factory=GenRMConfig)
 
 
 class AlgoConfig(_Section):

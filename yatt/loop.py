@@ -17,14 +17,15 @@ from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.config import Config
-from yatt.controller.batch import score_groups
+from yatt.controller.batch import make_samples
 from yatt.controller.evaluate import evaluate
 from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
 from yatt.controller.shard import PromptShard
 from yatt.dist import RankInfo
-from yatt.reward.rule import RuleReward
+from yatt.reward.scorer import StepScorer
 
 log = logging.getLogger("yatt")
+_COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out")  # summed over ranks, not averaged
 
 
 def run(cfg: Config, info: RankInfo) -> list[dict]:
@@ -38,7 +39,9 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_rows, eval_rows = _load_data(cfg, tokenizer, info)
     shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
-    reward_fn = RuleReward(cfg.data.task, cfg.reward.extract, cfg.data.task_config)
+    judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.type != "rule" else None
+    scorer = StepScorer(cfg.reward, cfg.data.task, cfg.data.task_config, judge_path)
+    reward_fn = scorer.rule
     t = cfg.trainer
     optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
@@ -47,9 +50,12 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=dtype)
     ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
     tp_group, dp_group = _groups()
-    engine = VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
-                        kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
-                        dtype=cfg.model.dtype)
+    def build_engine():
+        return VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
+                          kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
+                          dtype=cfg.model.dtype)
+
+    engine = build_engine()
     writer = MetricsWriter(cfg.output_dir, info.rank)
     records = [_eval_record(0, engine, eval_rows, reward_fn, tokenizer, cfg, writer)]
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
@@ -62,8 +68,15 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             spec.seed = (cfg.seed * 1_000_003 + step) * 4099 + info.rank  # reproducible per step and rank
             completions = engine.generate([r.prompt_ids for r in rows], spec)
         with timer("reward"):
-            samples = score_groups(rows, completions, reward_fn, tokenizer, cfg.algo.norm_adv_by_std)
-        sums = _sample_sums(samples)
+            texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group] for group in completions]
+            rule = scorer.rule_scores(rows, texts)
+        genrm, sums = None, {}
+        if scorer.uses_genrm:  # colocate: the rollout engine gives its memory to the judge
+            engine.shutdown()
+            with timer("genrm"):
+                genrm, sums = scorer.genrm_scores(rows, texts, seed=spec.seed)
+        samples = make_samples(rows, completions, scorer.combine(rule, genrm), cfg.algo.norm_adv_by_std)
+        sums.update(_sample_sums(samples, rule))
         if t.tp > 1:  # the ranks of one TP group train on the same data
             samples = _gather(samples, tp_group, t.tp)
         mini_batches = make_mini_batches(samples, cfg.algo.mini_batches, t.micro_batch_tokens, tokenizer.pad_token_id)
@@ -73,11 +86,13 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group))
         sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
         with timer("sync"):
+            if scorer.uses_genrm:
+                engine = build_engine()
             engine.update_weights(actor.export_hf_weights())
         timer.times["time_step_s"] = time.perf_counter() - t0
         sums.update({k: (v, 1.0) for k, v in timer.times.items()})
-        record = {"step": step, **global_means(sums, op_max=tuple(timer.times))}
-        record["tokens_per_s"] = record.pop("tokens_total") * info.world_size / record["time_step_s"]
+        record = {"step": step, **global_means(sums, op_max=tuple(timer.times), op_sum=_COUNTERS)}
+        record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
         writer.write(record)
         records.append(record)
         if info.rank == 0:
@@ -121,11 +136,12 @@ def _gather(samples, group, size: int):
     return [s for part in parts for s in part]
 
 
-def _sample_sums(samples) -> dict[str, tuple[float, float]]:
+def _sample_sums(samples, rule: list[float]) -> dict[str, tuple[float, float]]:
     n = float(len(samples))
     return {
         "reward_mean": (sum(s.reward for s in samples), n),
-        "accuracy": (sum(float(s.reward == 1.0) for s in samples), n),
+        "reward_rule_mean": (sum(rule), n),
+        "accuracy": (sum(float(r == 1.0) for r in rule), n),
         "response_len_mean": (sum(len(s.response_ids) for s in samples), n),
         "truncated_frac": (sum(float(s.finish_reason == "length") for s in samples), n),
         "tokens_total": (sum(s.length for s in samples), 1.0),
@@ -140,8 +156,9 @@ def _eval_record(step, engine, rows, reward_fn, tokenizer, cfg: Config, writer: 
 
 
 def _line(r: dict) -> str:
-    return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f} | kl {r['kl']:.4f} "
+    genrm = f" genrm {r['reward_genrm_mean']:.3f} unparsable {r['genrm_unparsable']:.0f}" if "reward_genrm_mean" in r else ""
+    return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f}{genrm} | kl {r['kl']:.4f} "
             f"ent {r['entropy']:.3f} clip {r['clip_frac']:.3f} gnorm {r['grad_norm']:.3f} | len {r['response_len_mean']:.1f} "
             f"| lpdiff {r['logprob_diff_rollout_vs_train']:.1e} | {r['time_step_s']:.1f}s "
-            f"(roll {r['time_rollout_s']:.1f} lp {r['time_logprob_s']:.1f} train {r['time_train_s']:.1f} "
+            f"(roll {r['time_rollout_s']:.1f} {'genrm %.1f ' % r['time_genrm_s'] if genrm else ''}lp {r['time_logprob_s']:.1f} train {r['time_train_s']:.1f} "
             f"sync {r['time_sync_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")

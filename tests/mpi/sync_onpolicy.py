@@ -22,9 +22,8 @@ def main() -> None:
     from yatt.assets.data import load_prompts
     from yatt.assets.model import resolve_model
     from yatt.config import AlgoConfig, DataConfig
-    from yatt.controller.batch import score_groups
+    from yatt.controller.batch import make_samples
     from yatt.dist import init_distributed
-    from yatt.reward.rule import RuleReward
     from yatt.rollout import SamplingSpec, VLLMEngine
     from yatt.trainer import MegatronPolicy, OptimConfig
 
@@ -37,9 +36,8 @@ def main() -> None:
     rows, _ = load_prompts(DataConfig(train_size=8, seed=5), tok, "train", info.rank, info.world_size)
     rows = rows[:2]
     completions = engine.generate([r.prompt_ids for r in rows], SamplingSpec(n=4, max_tokens=24, seed=11))
-    samples = score_groups(rows, completions, RuleReward("basic_arithmetic"), tok, True)
-    for i, s in enumerate(samples):  # a guaranteed non-zero update, whatever the rewards were
-        s.advantage = 1.0 if i % 2 else -1.0
+    rewards = [float(i % 2) for i in range(len(rows) * 4)]  # a guaranteed non-zero update
+    samples = make_samples(rows, completions, rewards, True)
     minis = make_mini_batches(samples, 2, 512, tok.pad_token_id)
 
     sums = compute_logprobs(actor, None, minis, recompute_old=True)

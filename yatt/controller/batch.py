@@ -60,28 +60,28 @@ def pack_micro_batches(samples: list[Sample], token_budget: int, pad_id: int) ->
     return out
 
 
-def score_groups(rows, completions, reward_fn, tokenizer, norm_by_std: bool) -> list[Sample]:
-    """Turn each prompt's ``n`` completions into scored samples with GRPO advantages.
+def make_samples(rows, completions, rewards: list[float], norm_by_std: bool) -> list[Sample]:
+    """Turn each prompt's ``n`` scored completions into samples with GRPO advantages.
 
     Args:
         rows: the step's :class:`~yatt.assets.data.PromptRow` list (``G`` prompts).
         completions: ``G`` lists of ``n`` engine completions (token ids, logprobs, finish reason).
-        reward_fn: ``(response_text, entry) -> float``.
-        tokenizer: decodes responses (special tokens skipped).
+        rewards: ``G * n`` floats, prompt-major (``rewards[g * n + k]`` scores completion k of g).
         norm_by_std: GRPO std normalisation (see :func:`yatt.algos.grpo.group_advantages`).
     Returns:
         ``G * n`` samples, prompt-major.
+    Raises:
+        ValueError: the number of rewards is not ``G * n``.
     """
     from yatt.algos.grpo import group_advantages
 
-    samples = []
-    for row, group in zip(rows, completions):
-        for c in group:
-            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            samples.append(Sample(row.prompt_ids, list(c.token_ids), list(c.logprobs), c.finish_reason, reward_fn(text, row.entry)))
+    samples = [Sample(row.prompt_ids, list(c.token_ids), list(c.logprobs), c.finish_reason)
+               for row, group in zip(rows, completions) for c in group]
+    if len(rewards) != len(samples):
+        raise ValueError(f"{len(rewards)} rewards for {len(samples)} samples")
     if samples:
         n = len(completions[0])
-        adv = group_advantages(torch.tensor([s.reward for s in samples]).view(-1, n), norm_by_std).flatten()
-        for s, a in zip(samples, adv.tolist()):
-            s.advantage = a
+        adv = group_advantages(torch.tensor(rewards, dtype=torch.float32).view(-1, n), norm_by_std).flatten()
+        for s, r, a in zip(samples, rewards, adv.tolist()):
+            s.reward, s.advantage = float(r), a
     return samples

@@ -30,11 +30,12 @@ class PhaseTimer:
             self.times[f"time_{phase}_s"] = self.times.get(f"time_{phase}_s", 0.0) + time.perf_counter() - t0
 
 
-def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple[str, ...] = ()) -> dict[str, float]:
+def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple[str, ...] = (),
+                 op_sum: tuple[str, ...] = ()) -> dict[str, float]:
     """Reduce ``{name: (sum, count)}`` over ``group`` and return ``{name: sum/count}``.
 
-    Names in ``op_max`` are reduced with max instead (count ignored). A name with global
-    count 0 gives NaN-free 0.0.
+    Names in ``op_max`` give the max over ranks of their sum, names in ``op_sum`` the global
+    sum (counts ignored for both). A name with global count 0 gives 0.0, never NaN.
     """
     names = sorted(sums)
     if not names:
@@ -46,7 +47,12 @@ def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
     out = {}
     for i, k in enumerate(names):
-        out[k] = float(mx[i]) if k in op_max else (float(t[i, 0] / t[i, 1]) if t[i, 1] > 0 else 0.0)
+        if k in op_max:
+            out[k] = float(mx[i])
+        elif k in op_sum:
+            out[k] = float(t[i, 0])
+        else:
+            out[k] = float(t[i, 0] / t[i, 1]) if t[i, 1] > 0 else 0.0
     return out
 
 

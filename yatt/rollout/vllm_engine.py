@@ -19,8 +19,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine; must pr
 
 import contextlib
 import gc
+import itertools
 import logging
 import random
+import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
+_DEADLINE_CALLS = itertools.count()  # unique request-id prefix per generate_within call
 # Expected on every CPU weight push / build (see ENVIRONMENT.md): RoPE and the tied lm_head
 # have no checkpoint weights, and the CPU worker pins its thread count. Filtered on the
 # loggers that emit them (vLLM configures its handlers lazily).
@@ -80,12 +83,17 @@ class Completion:
 
     token_ids: response token ids as sampled (ends with the EOS/stop id when it stopped on one).
     logprobs: float log-probability (nats) of each sampled token, ``len == len(token_ids)``.
-    finish_reason: ``"stop"`` (EOS/stop token) or ``"length"`` (cut at max_tokens / max_model_len).
+    finish_reason: ``"stop"`` (EOS/stop token) or ``"length"`` (cut at max_tokens / max_model_len);
+        ``generate_within`` also returns ``"timeout"`` (aborted at its deadline: no tokens).
+    top_logprobs: only from ``generate_within(..., top_logprobs=K)``: per response position a
+        ``{token_id: logprob}`` dict of the K most likely tokens (plus the sampled one), same
+        logprobs mode as ``logprobs``; None otherwise.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 def _reload_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -242,6 +250,81 @@ class VLLMEngine:
                 comps.append(Completion(ids, lps, c.finish_reason))
             if greedy:
                 comps = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason)
+                         for c in comps for _ in range(spec.n)]
+            result.append(comps)
+        return result
+
+    def generate_within(self, prompts: list[list[int]], spec: SamplingSpec, timeout_s: float, *,
+                        top_logprobs: int = 0) -> list[list[Completion]]:
+        """``generate`` with a deadline: requests unfinished after ``timeout_s`` are aborted (collective).
+
+        All requests are submitted together; the deadline is ``timeout_s`` seconds (wall clock)
+        after submission and is checked between engine steps, so an abort lands at the first
+        step boundary past it. Aborted requests are not waited for: their samples come back as
+        ``Completion([], [], "timeout")`` (all n samples of a prompt, unless all n finished in
+        time). Each rank applies its own deadline; the engines keep
+        stepping in lockstep (a rank whose requests are done or aborted runs vLLM's dummy DP
+        steps) until every rank is done.
+
+        Args:
+            prompts: this rank's prompts as token ids (may be ``[]``).
+            spec: sampling settings as for ``generate`` (same seeding rule).
+            timeout_s: seconds; ``<= 0`` aborts everything not finished by the first step.
+            top_logprobs: K >= 0; with K > 0 each Completion carries ``top_logprobs``.
+        Returns:
+            ``out[i][k]`` as for ``generate`` (``finish_reason`` may also be ``"timeout"``).
+        Raises:
+            ValueError: as ``generate``.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check(prompts, self.max_model_len - 1)
+        greedy = spec.temperature < 1e-5
+        base = spec.seed if spec.seed is not None else int(self._rng.integers(1 << 62))
+        llm = self._live()
+        engine, call = llm.llm_engine, next(_DEADLINE_CALLS)
+        ids: list[str] = []
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        outs: dict[str, object] = {}
+        with torch.random.fork_rng(devices=devices):
+            try:
+                for i, p in enumerate(prompts):
+                    seed = None if greedy else (base + self.dp_rank * _SEED_STRIDE + i * spec.n) % (1 << 62)
+                    params = SamplingParams(n=1 if greedy else spec.n, max_tokens=spec.max_tokens,
+                                            temperature=spec.temperature, top_p=spec.top_p, seed=seed,
+                                            logprobs=top_logprobs, detokenize=False,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
+                    ids.append(f"yatt-deadline-{call}-{i}")
+                    engine.add_request(ids[-1], {"prompt_token_ids": p}, params)
+                deadline, pending = time.monotonic() + timeout_s, set(ids)
+                while engine.has_unfinished_requests():  # DP all-reduce: lockstep across ranks
+                    if pending and time.monotonic() >= deadline:
+                        engine.abort_request(sorted(pending))
+                        pending.clear()
+                    for out in engine.step():
+                        if out.finished and out.request_id in pending:
+                            outs[out.request_id] = out
+                            pending.discard(out.request_id)
+            except BaseException:
+                if pending := [r for r in ids if r not in outs]:
+                    engine.abort_request(pending)
+                raise
+        result = []
+        for rid in ids:
+            out = outs.get(rid)
+            if out is None or any(c.finish_reason not in ("stop", "length") for c in out.outputs):
+                result.append([Completion([], [], "timeout") for _ in range(spec.n)])
+                continue
+            comps = []
+            for c in out.outputs:
+                toks = list(c.token_ids)
+                top = ([{int(t): float(lp.logprob) for t, lp in d.items()} for d in c.logprobs]
+                       if top_logprobs else None)
+                comps.append(Completion(toks, [float(d[t].logprob) for t, d in zip(toks, c.logprobs)],
+                                        c.finish_reason, top))
+            if greedy:  # sampled once, copied n times (as in generate)
+                comps = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.top_logprobs)
                          for c in comps for _ in range(spec.n)]
             result.append(comps)
         return result
