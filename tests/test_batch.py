@@ -60,3 +60,20 @@ def test_make_samples_rewards_and_advantages():
     assert samples[1].response_ids == [8, EOS] and samples[2].prompt_ids == [3]
     with pytest.raises(ValueError, match="3 rewards for 4 samples"):
         make_samples(rows, completions, [1.0, 0.0, 1.0], True)
+
+
+def test_phase_timer_records_time_and_peak_memory():
+    import time
+
+    from yatt.controller.metrics import PhaseTimer
+
+    timer = PhaseTimer(interval_s=0.01)
+    with timer("alloc"):
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB
+        time.sleep(0.05)
+        del block
+    with timer("idle"):
+        pass
+    assert timer.times["time_alloc_s"] >= 0.05
+    # the 64 MiB block shows in the phase that held it, not in the next one
+    assert timer.peaks["mem_peak_alloc_gib"] - timer.peaks["mem_peak_idle_gib"] > 0.04

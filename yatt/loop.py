@@ -90,8 +90,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
                 engine = build_engine()
             engine.update_weights(actor.export_hf_weights())
         timer.times["time_step_s"] = time.perf_counter() - t0
-        sums.update({k: (v, 1.0) for k, v in timer.times.items()})
-        record = {"step": step, **global_means(sums, op_max=tuple(timer.times), op_sum=_COUNTERS)}
+        sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
+        record = {"step": step, **global_means(sums, op_max=(*timer.times, *timer.peaks), op_sum=_COUNTERS)}
         record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
         writer.write(record)
         records.append(record)

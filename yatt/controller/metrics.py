@@ -7,27 +7,48 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase of one step (``time_<phase>_s``)."""
+    """Wall-clock seconds (``time_<phase>_s``) and peak resident memory in GiB
+    (``mem_peak_<phase>_gib``, sampled every ``interval_s`` by a background thread) per phase.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float = 0.05) -> None:
         self.times: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
+        self.interval_s = interval_s
 
     @contextmanager
     def __call__(self, phase: str):
+        proc, peak, done = psutil.Process(), [0], threading.Event()
+
+        def sample() -> None:
+            while True:
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                if done.wait(self.interval_s):
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.times[f"time_{phase}_s"] = self.times.get(f"time_{phase}_s", 0.0) + time.perf_counter() - t0
+            done.set()
+            sampler.join()
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            key = f"mem_peak_{phase}_gib"
+            self.peaks[key] = max(self.peaks.get(key, 0.0), peak[0] / 2**30)
 
 
 def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple[str, ...] = (),
