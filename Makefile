@@ -7,7 +7,7 @@ CONFIG ?= configs/grpo_smollm2.yaml
 ARGS   ?=
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test clean
 setup: $(VENV)/.deps $(VENV)/.ext $(VENV)/.assets
 
 $(VENV)/.deps: requirements.txt Makefile

@@ -64,3 +64,14 @@ def test_cross_field_checks_name_the_key():
         load_config(RECIPE, ["trainer.prompts_per_rank=1", "rollout.n=2", "algo.mini_batches=4"])
     with pytest.raises(ConfigError, match="config key 'rollout.tp'"):
         load_config(RECIPE, ["rollout.tp=2"])
+
+
+def test_existing_run_is_not_overwritten_by_accident(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"output_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "already holds a run" in out.stderr and "overwrite=true" in out.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

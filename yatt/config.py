@@ -110,6 +110,7 @@ class EvalConfig(_Section):
 class Config(_Section):
     seed: int = 0
     output_dir: str = "runs/default"
+    overwrite: bool = False  # start over in an output_dir that already holds a run's metrics
     threads_per_rank: int | None = Field(None, gt=0)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -26,6 +26,14 @@ def _setup_env(threads: int | None) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
+def _check_output_dir(cfg) -> None:
+    """Refuse to mix a new run into an old run's metrics.jsonl (unless ``overwrite=true``)."""
+    metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
+    if os.path.exists(metrics) and not cfg.overwrite:
+        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({metrics}); "
+                          "pick another output_dir or pass overwrite=true")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m yatt.launch", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. configs/grpo_smollm2.yaml")
@@ -33,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        _check_output_dir(cfg)
     except ConfigError as e:
-        print(f"yatt: {e}", file=sys.stderr)
+        if os.environ.get("PMI_RANK", os.environ.get("RANK", "0")) == "0":  # once per job, not per rank
+            print(f"yatt: {e}", file=sys.stderr)
         return 2
 
     _setup_env(cfg.threads_per_rank)
@@ -45,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[yatt r{info.rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("yatt").info("world %d (%s), threads/rank %s, output %s",
                                    info.world_size, info.source, os.environ.get("OMP_NUM_THREADS"), cfg.output_dir)
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its DDP lists every parameter at INFO
     if info.rank == 0:
         os.makedirs(cfg.output_dir, exist_ok=True)
+        if cfg.overwrite and os.path.exists(os.path.join(cfg.output_dir, "metrics.jsonl")):
+            os.remove(os.path.join(cfg.output_dir, "metrics.jsonl"))
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
             import yaml
 

@@ -22,6 +22,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records = load_records(run_dir)
     train = [r for r in records if "reward_mean" in r]
@@ -39,6 +40,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     axes[2].set_title("phase time (s)")
     for ax in axes:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
