@@ -65,15 +65,18 @@ def test_make_samples_rewards_and_advantages():
 def test_phase_timer_records_time_and_peak_memory():
     import time
 
+    import psutil
+
     from yatt.controller.metrics import PhaseTimer
 
     timer = PhaseTimer(interval_s=0.01)
     with timer("alloc"):
-        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB
+        block = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, touched
+        held = psutil.Process().memory_info().rss / 2**30
         time.sleep(0.05)
         del block
     with timer("idle"):
         pass
-    assert timer.times["time_alloc_s"] >= 0.05
-    # the 64 MiB block shows in the phase that held it, not in the next one
-    assert timer.peaks["mem_peak_alloc_gib"] - timer.peaks["mem_peak_idle_gib"] > 0.04
+    assert timer.times["time_alloc_s"] >= 0.05 and timer.times["time_idle_s"] < timer.times["time_alloc_s"]
+    # the sampler saw at least what the phase held at its heaviest moment
+    assert timer.peaks["mem_peak_alloc_gib"] >= held * 0.999 and timer.peaks["mem_peak_idle_gib"] > 0

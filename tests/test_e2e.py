@@ -33,7 +33,8 @@ def test_genrm_recipe_colocate_writes_genrm_metrics(mpirun, tmp_path):
     out = tmp_path / "run"
     mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", "trainer.total_steps=1",
             f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=2", "data.eval_size=8"], 2, timeout=900)
-    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in records if "reward_mean" in r]
     keys = REQUIRED + ["reward_genrm_mean", "genrm_unparsable", "time_genrm_s", "reward_rule_mean"]
     bad = {k: record.get(k) for k in keys if not (isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))}
     assert not bad, bad
