@@ -75,3 +75,16 @@ def test_existing_run_is_not_overwritten_by_accident(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "already holds a run" in out.stderr and "overwrite=true" in out.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_tensor_parallel_size_must_split_the_heads(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"model.path={tmp_path / 'model'}",
+                          "trainer.tp=2", f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "'trainer.tp': 2 does not divide the model's 9 attention heads and 3 KV heads" in out.stderr

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from yatt.config import ConfigError, load_config
 
@@ -34,6 +35,26 @@ def _check_output_dir(cfg) -> None:
                           "pick another output_dir or pass overwrite=true")
 
 
+def _check_model_parallel(cfg) -> None:
+    """trainer.tp must split the policy's heads; checked from config.json when it is on disk."""
+    import json
+
+    from yatt.assets.model import cache_root
+
+    folder = Path(cfg.model.path).expanduser()
+    if not folder.is_dir():
+        folder = cache_root() / "models" / cfg.model.path
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not materialised yet: the trainer's mapping checks it when the model loads
+    heads = hf.get("num_attention_heads", 1)
+    kv = hf.get("num_key_value_heads", heads)
+    if heads % cfg.trainer.tp or kv % cfg.trainer.tp:
+        raise ConfigError(f"config key 'trainer.tp': {cfg.trainer.tp} does not divide the model's "
+                          f"{heads} attention heads and {kv} KV heads")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m yatt.launch", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. configs/grpo_smollm2.yaml")
@@ -42,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         _check_output_dir(cfg)
+        _check_model_parallel(cfg)
     except ConfigError as e:
         if os.environ.get("PMI_RANK", os.environ.get("RANK", "0")) == "0":  # once per job, not per rank
             print(f"yatt: {e}", file=sys.stderr)

