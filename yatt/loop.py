@@ -41,7 +41,6 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
     judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.type != "rule" else None
     scorer = StepScorer(cfg.reward, cfg.data.task, cfg.data.task_config, judge_path)
-    reward_fn = scorer.rule
     t = cfg.trainer
     optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
@@ -50,6 +49,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=dtype)
     ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
     tp_group, dp_group = _groups()
+
     def build_engine():
         return VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
                           kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
@@ -57,7 +57,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
 
     engine = build_engine()
     writer = MetricsWriter(cfg.output_dir, info.rank)
-    records = [_eval_record(0, engine, eval_rows, reward_fn, tokenizer, cfg, writer)]
+    records = [_eval_record(0, engine, eval_rows, scorer.rule, tokenizer, cfg, writer)]
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                         top_p=cfg.rollout.top_p)
 
@@ -98,8 +98,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
         if info.rank == 0:
             tqdm.write(_line(record))
         if cfg.eval.every and step % cfg.eval.every == 0 and step != t.total_steps:
-            records.append(_eval_record(step, engine, eval_rows, reward_fn, tokenizer, cfg, writer))
-    records.append(_eval_record(t.total_steps, engine, eval_rows, reward_fn, tokenizer, cfg, writer))
+            records.append(_eval_record(step, engine, eval_rows, scorer.rule, tokenizer, cfg, writer))
+    records.append(_eval_record(t.total_steps, engine, eval_rows, scorer.rule, tokenizer, cfg, writer))
     engine.shutdown()
     return records
 
