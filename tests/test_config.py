@@ -78,13 +78,13 @@ def test_existing_run_is_not_overwritten_by_accident(tmp_path):
 
 
 def test_tensor_parallel_size_must_split_the_heads(tmp_path):
-    import json
     import subprocess
     import sys
 
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
-    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"model.path={tmp_path / 'model'}",
-                          "trainer.tp=2", f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=60)
+    from yatt.assets.model import SMOLLM2, resolve_model
+
+    smol = resolve_model(SMOLLM2)  # 9 attention heads, 3 KV heads, MLP size 1536
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"model.path={smol}",
+                          "trainer.tp=2", f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "'trainer.tp': 2 does not divide the model's 9 attention heads and 3 KV heads" in out.stderr
+    assert "config key 'trainer.tp': TP=2 must divide the KV heads (3) and the MLP size (1536)" in out.stderr

@@ -36,10 +36,12 @@ def _check_output_dir(cfg) -> None:
 
 
 def _check_model_parallel(cfg) -> None:
-    """trainer.tp must split the policy's heads; checked from config.json when it is on disk."""
+    """trainer.tp must split the policy (the trainer's own mapping check), read from config.json
+    when the model is on disk; a packaged model not yet materialised is checked when it loads."""
     import json
 
     from yatt.assets.model import cache_root
+    from yatt.trainer.hf_mapping import layout_from_hf
 
     folder = Path(cfg.model.path).expanduser()
     if not folder.is_dir():
@@ -47,12 +49,11 @@ def _check_model_parallel(cfg) -> None:
     try:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        return  # not materialised yet: the trainer's mapping checks it when the model loads
-    heads = hf.get("num_attention_heads", 1)
-    kv = hf.get("num_key_value_heads", heads)
-    if heads % cfg.trainer.tp or kv % cfg.trainer.tp:
-        raise ConfigError(f"config key 'trainer.tp': {cfg.trainer.tp} does not divide the model's "
-                          f"{heads} attention heads and {kv} KV heads")
+        return
+    try:
+        layout_from_hf(hf, cfg.trainer.tp)
+    except ValueError as e:
+        raise ConfigError(f"config key 'trainer.tp': {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
