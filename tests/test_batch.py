@@ -80,3 +80,15 @@ def test_phase_timer_records_time_and_peak_memory():
     assert timer.times["time_alloc_s"] >= 0.05 and timer.times["time_idle_s"] < timer.times["time_alloc_s"]
     # the sampler saw at least what the phase held at its heaviest moment
     assert timer.peaks["mem_peak_alloc_gib"] >= held * 0.999 and timer.peaks["mem_peak_idle_gib"] > 0
+
+
+def test_metrics_writer_starts_a_fresh_file(tmp_path):
+    import json
+
+    from yatt.controller.metrics import MetricsWriter
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 9}\n')
+    writer = MetricsWriter(tmp_path, rank=0)
+    writer.write({"step": 1, "x": float("nan")})
+    MetricsWriter(tmp_path, rank=1).write({"step": 2})  # only rank 0 writes
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [{"step": 1, "x": None}]

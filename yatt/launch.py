@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its DDP lists every parameter at INFO
     if info.rank == 0:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        if cfg.overwrite and os.path.exists(os.path.join(cfg.output_dir, "metrics.jsonl")):
-            os.remove(os.path.join(cfg.output_dir, "metrics.jsonl"))
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
             import yaml
 

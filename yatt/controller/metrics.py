@@ -78,13 +78,18 @@ def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``<output_dir>/metrics.jsonl`` (rank 0 only)."""
+    """Writes one JSON object per record to ``<output_dir>/metrics.jsonl`` (rank 0 only).
+
+    The file is started empty: a run never appends to an older run's records (the launcher
+    refuses an output_dir that holds one unless ``overwrite=true``).
+    """
 
     def __init__(self, output_dir: str | Path, rank: int) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = rank == 0
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
 
     def write(self, record: dict) -> None:
         if not self.enabled:
