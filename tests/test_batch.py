@@ -92,3 +92,23 @@ def test_metrics_writer_starts_a_fresh_file(tmp_path):
     writer.write({"step": 1, "x": float("nan")})
     MetricsWriter(tmp_path, rank=1).write({"step": 2})  # only rank 0 writes
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [{"step": 1, "x": None}]
+
+
+def test_policy_update_reduces_stats_over_steps_and_first_epoch():
+    from yatt.algos.update import policy_update
+    from yatt.config import AlgoConfig
+
+    class Actor:  # returns fixed per-step sums, the shape MegatronPolicy.train_step returns
+        def train_step(self, mbs, loss_fn):
+            out = {"pg_loss": 1.0, "kl": 0.0, "ppo_kl": 0.5, "clip_frac": 2.0, "ratio": 4.0, "entropy": 3.0,
+                   "tokens": 4.0, "grad_norm": 2.0, "lr": 0.1}
+            if loss_fn.on_policy:
+                out.update(logprob_diff_rollout_vs_train=0.4, diff_tokens=4.0)
+            return out
+
+    minis = make_mini_batches(_samples(), mini_batches=2, token_budget=1000, pad_id=PAD)
+    out = policy_update(Actor(), minis, AlgoConfig(ppo_epochs=3, mini_batches=2), None)
+    assert out["pg_loss"] == (6.0, 24.0) and out["ratio"] == (24.0, 24.0)  # 6 steps x 4 tokens
+    assert out["entropy"] == (6.0, 8.0)  # first epoch only
+    assert out["logprob_diff_rollout_vs_train"] == (0.4, 4.0)  # the on-policy first mini-batch only
+    assert out["grad_norm"] == (12.0, 6) and out["kl"] == out["ppo_kl"]  # kl_coef 0: KL to the rollout policy

@@ -73,7 +73,8 @@ def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_gro
         mini-batch (the one trained before any update). Without a reference model
         (``kl_coef == 0``) ``kl`` is the KL to this step's rollout policy (``ppo_kl``).
     """
-    totals: dict[str, float] = {}
+    totals: dict[str, float] = {}  # over all optimizer steps
+    first: dict[str, float] = {}  # over the first epoch (entropy of the policy that sampled)
     steps = 0
     for epoch in range(cfg.ppo_epochs):
         for i, mbs in enumerate(mini_batches):
@@ -81,15 +82,14 @@ def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_gro
             if dist.is_initialized():
                 dist.all_reduce(tokens, group=dp_group)
             out = actor.train_step(mbs, GRPOLoss(cfg, float(tokens), on_policy=epoch == 0 and i == 0))
-            if epoch > 0:
-                out.pop("entropy", None)
-                out["epoch_tokens"] = out.pop("tokens", 0.0)
             for k, v in out.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
+                if epoch == 0:
+                    first[k] = first.get(k, 0.0) + float(v)
             steps += 1
-    tokens = totals.get("tokens", 0.0) + totals.get("epoch_tokens", 0.0)
+    tokens = totals.get("tokens", 0.0)
     result = {k: (totals.get(k, 0.0), tokens) for k in ("pg_loss", "kl", "ppo_kl", "clip_frac", "ratio")}
-    result["entropy"] = (totals.get("entropy", 0.0), totals.get("tokens", 0.0))
+    result["entropy"] = (first.get("entropy", 0.0), first.get("tokens", 0.0))
     result["logprob_diff_rollout_vs_train"] = (totals.get("logprob_diff_rollout_vs_train", 0.0), totals.get("diff_tokens", 0.0))
     result.update({k: (totals.get(k, 0.0), steps) for k in ("grad_norm", "lr")})
     if cfg.kl_coef == 0:
