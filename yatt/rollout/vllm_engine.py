@@ -149,6 +149,32 @@ def _shutdown_keep_world(core) -> None:
         core.shutdown()
 
 
+def _is_greedy(spec: SamplingSpec) -> bool:
+    return spec.temperature < 1e-5
+
+
+def _completions(out, spec: SamplingSpec, top_logprobs: bool) -> list[Completion]:
+    """A finished vLLM RequestOutput as ``spec.n`` Completions (greedy: one sample, copied)."""
+    comps = []
+    for c in out.outputs:
+        toks = list(c.token_ids)
+        top = [{int(t): float(lp.logprob) for t, lp in d.items()} for d in c.logprobs] if top_logprobs else None
+        comps.append(Completion(toks, [float(d[t].logprob) for t, d in zip(toks, c.logprobs)], c.finish_reason, top))
+    if _is_greedy(spec):
+        comps = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.top_logprobs)
+                 for c in comps for _ in range(spec.n)]
+    return comps
+
+
+@contextlib.contextmanager
+def _fork_global_rng():
+    """vLLM's CPU sampler draws from the global torch RNG even when every request is seeded
+    (the draws are overwritten); fork it so the caller's RNG stream is left untouched."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 class VLLMEngine:
     """This rank's vLLM engine (TP group of ``tp`` ranks, DP over ``world / tp`` groups).
 
@@ -228,30 +254,14 @@ class VLLMEngine:
                 outside the vocabulary, or invalid spec values (vLLM's validation).
             RuntimeError: vLLM finished a request for another reason (e.g. abort).
         """
-        from vllm import SamplingParams
-
         self._check(prompts, self.max_model_len - 1)
-        greedy = spec.temperature < 1e-5  # vLLM rejects n > 1 when greedy: sample once, copy n times
-        base = spec.seed if spec.seed is not None else int(self._rng.integers(1 << 62))
-        params = []
-        for i in range(len(prompts)):
-            seed = None if greedy else (base + self.dp_rank * _SEED_STRIDE + i * spec.n) % (1 << 62)
-            params.append(SamplingParams(n=1 if greedy else spec.n, max_tokens=spec.max_tokens,
-                                         temperature=spec.temperature, top_p=spec.top_p, seed=seed,
-                                         logprobs=0, detokenize=False))
+        params = self._sampling_params(spec, len(prompts))
         result = []
         for out in self._run(prompts, params):
-            comps = []
             for c in out.outputs:
                 if c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"request {out.request_id} finished with {c.finish_reason!r}")
-                ids = list(c.token_ids)
-                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs)]
-                comps.append(Completion(ids, lps, c.finish_reason))
-            if greedy:
-                comps = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason)
-                         for c in comps for _ in range(spec.n)]
-            result.append(comps)
+            result.append(_completions(out, spec, top_logprobs=False))
         return result
 
     def generate_within(self, prompts: list[list[int]], spec: SamplingSpec, timeout_s: float, *,
@@ -276,25 +286,17 @@ class VLLMEngine:
         Raises:
             ValueError: as ``generate``.
         """
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._check(prompts, self.max_model_len - 1)
-        greedy = spec.temperature < 1e-5
-        base = spec.seed if spec.seed is not None else int(self._rng.integers(1 << 62))
-        llm = self._live()
-        engine, call = llm.llm_engine, next(_DEADLINE_CALLS)
+        all_params = self._sampling_params(spec, len(prompts), logprobs=top_logprobs,
+                                           output_kind=RequestOutputKind.FINAL_ONLY)
+        engine, call = self._live().llm_engine, next(_DEADLINE_CALLS)
         ids: list[str] = []
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         outs: dict[str, object] = {}
-        with torch.random.fork_rng(devices=devices):
+        with _fork_global_rng():
             try:
-                for i, p in enumerate(prompts):
-                    seed = None if greedy else (base + self.dp_rank * _SEED_STRIDE + i * spec.n) % (1 << 62)
-                    params = SamplingParams(n=1 if greedy else spec.n, max_tokens=spec.max_tokens,
-                                            temperature=spec.temperature, top_p=spec.top_p, seed=seed,
-                                            logprobs=top_logprobs, detokenize=False,
-                                            output_kind=RequestOutputKind.FINAL_ONLY)
+                for i, (p, params) in enumerate(zip(prompts, all_params)):
                     ids.append(f"yatt-deadline-{call}-{i}")
                     engine.add_request(ids[-1], {"prompt_token_ids": p}, params)
                 deadline, pending = time.monotonic() + timeout_s, set(ids)
@@ -316,17 +318,7 @@ class VLLMEngine:
             if out is None or any(c.finish_reason not in ("stop", "length") for c in out.outputs):
                 result.append([Completion([], [], "timeout") for _ in range(spec.n)])
                 continue
-            comps = []
-            for c in out.outputs:
-                toks = list(c.token_ids)
-                top = ([{int(t): float(lp.logprob) for t, lp in d.items()} for d in c.logprobs]
-                       if top_logprobs else None)
-                comps.append(Completion(toks, [float(d[t].logprob) for t, d in zip(toks, c.logprobs)],
-                                        c.finish_reason, top))
-            if greedy:  # sampled once, copied n times (as in generate)
-                comps = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.top_logprobs)
-                         for c in comps for _ in range(spec.n)]
-            result.append(comps)
+            result.append(_completions(out, spec, top_logprobs=top_logprobs > 0))
         return result
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -384,11 +376,24 @@ class VLLMEngine:
     def _run(self, prompts: list[list[int]], params: list) -> list:
         """Add requests and step the engine until every DP rank is done (outputs in order)."""
         llm = self._live()
-        # vLLM's CPU sampler draws from the global torch RNG even when every request is seeded
-        # (the draws are overwritten); fork it so the caller's RNG stream is left untouched.
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with _fork_global_rng():
             return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def _sampling_params(self, spec: SamplingSpec, count: int, logprobs: int = 0, **extra) -> list:
+        """One SamplingParams per prompt, seeded by the rule in :class:`SamplingSpec`.
+
+        Greedy specs get ``n=1`` (vLLM rejects greedy ``n > 1``); :func:`_completions` copies it.
+        The call's base seed is drawn even for ``count == 0``, keeping the private stream in step.
+        """
+        from vllm import SamplingParams
+
+        greedy = _is_greedy(spec)
+        base = spec.seed if spec.seed is not None else int(self._rng.integers(1 << 62))
+        return [SamplingParams(n=1 if greedy else spec.n, max_tokens=spec.max_tokens, temperature=spec.temperature,
+                               top_p=spec.top_p, logprobs=logprobs, detokenize=False,
+                               seed=None if greedy else (base + self.dp_rank * _SEED_STRIDE + i * spec.n) % (1 << 62),
+                               **extra)
+                for i in range(count)]
 
     def _live(self):
         if self._llm is None:
