@@ -181,7 +181,7 @@ class JudgeResult:
 
 
 class GenRMJudge:
-    """LLM judge on a :class:`~yatt.rollout.VLLMEngine` (every method collective, like the engine).
+    """LLM judge on a :class:`~yatt.rollout.VLLMEngine` (local to this rank's engine).
 
     Args:
         engine: this rank's judge engine (``VLLMEngine``).
@@ -245,7 +245,7 @@ class GenRMJudge:
         return list(enc["input_ids"])
 
     def score(self, items: Sequence[JudgeItem | Mapping[str, Any]]) -> list[JudgeResult]:
-        """Judge this rank's items (collective: every rank calls, possibly with ``[]``).
+        """Judge this rank's items (possibly ``[]``).
 
         Args:
             items: JudgeItem or mappings with ``question``, ``response``, optional ``reference``.

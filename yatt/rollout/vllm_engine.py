@@ -1,9 +1,12 @@
-"""Rollout engine: one in-process vLLM engine per rank (SPMD, data parallel = world / tp).
+"""Rollout engine: one in-process vLLM engine per rank (SPMD, each rank an independent engine).
 
 Every rank builds its own engine after torch.distributed is up; vLLM joins the existing
-process group through ``distributed_executor_backend="external_launcher"``. All methods are
-**collective**: every rank must call them in the same order (``generate`` and ``score`` step
-the engines in lockstep through a DP all-reduce; a rank with no prompts still has to call).
+process group through ``distributed_executor_backend="external_launcher"`` with its own data
+parallel size 1, so engines never step in lockstep: ranks may run different models at the
+same time (policy on sampler ranks, judge on GenRM ranks) and finish at different times.
+Construction and ``shutdown`` are **collective** (vLLM creates and destroys process groups
+over the whole world): every rank must build or shut down *some* engine of the same TP size
+at the same point. ``generate``/``generate_within``/``generate_stream``/``score`` are local.
 
 Logprobs: the engine runs with vLLM's ``raw_logprobs`` mode, so ``Completion.logprobs`` holds
 the log-softmax of the *unscaled* model logits at the sampled token (before temperature /
@@ -21,10 +24,11 @@ import contextlib
 import gc
 import itertools
 import logging
+import math
 import random
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
-_DEADLINE_CALLS = itertools.count()  # unique request-id prefix per generate_within call
+_CALLS = itertools.count()  # unique request-id prefix per streamed call
 # Expected on every CPU weight push / build (see ENVIRONMENT.md): RoPE and the tied lm_head
 # have no checkpoint weights, and the CPU worker pins its thread count. Filtered on the
 # loggers that emit them (vLLM configures its handlers lazily).
@@ -149,6 +153,18 @@ def _shutdown_keep_world(core) -> None:
         core.shutdown()
 
 
+def _final_only():
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.FINAL_ONLY
+
+
+def _check_finished(out) -> None:
+    for c in out.outputs:
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"request {out.request_id} finished with {c.finish_reason!r}")
+
+
 def _is_greedy(spec: SamplingSpec) -> bool:
     return spec.temperature < 1e-5
 
@@ -176,7 +192,7 @@ def _fork_global_rng():
 
 
 class VLLMEngine:
-    """This rank's vLLM engine (TP group of ``tp`` ranks, DP over ``world / tp`` groups).
+    """This rank's vLLM engine (TP group of ``tp`` ranks; ranks ``r // tp`` are independent replicas).
 
     Args:
         model_path: HF folder (config, tokenizer, safetensors).
@@ -184,7 +200,8 @@ class VLLMEngine:
         max_model_len: max prompt + response tokens per sequence.
         kv_cache_memory_bytes: KV cache size on CPU (on GPU the size comes from
             ``gpu_memory_utilization``).
-        seed: engine seed; the private sampling stream is seeded with ``(seed, dp_rank)``.
+        seed: engine seed; the private sampling stream is seeded with ``(seed, dp_rank)``,
+            ``dp_rank = rank // tp``.
             vLLM reseeds the global Python/NumPy/torch RNGs while building; this constructor
             restores the caller's RNG states afterwards, and restores ``torch.set_num_threads``
             (which vLLM's CPU worker replaces by a no-op) and the thread count.
@@ -216,7 +233,7 @@ class VLLMEngine:
                        if k not in os.environ]
             if missing:
                 raise RuntimeError(f"set {missing} before building the engine (yatt.dist.init_distributed)")
-            kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
+            kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=1)
             self.dp_rank, self.dp_size = dist.get_rank() // tp, world // tp
         elif tp > 1:
             raise ValueError("tp > 1 needs torch.distributed initialised first")
@@ -242,7 +259,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
-        """Sample ``spec.n`` responses for each prompt (collective; may be called with ``[]``).
+        """Sample ``spec.n`` responses for each prompt (may be called with ``[]``).
 
         Args:
             prompts: this rank's prompts as token ids (chat template already applied).
@@ -258,23 +275,36 @@ class VLLMEngine:
         params = self._sampling_params(spec, len(prompts))
         result = []
         for out in self._run(prompts, params):
-            for c in out.outputs:
-                if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"request {out.request_id} finished with {c.finish_reason!r}")
+            _check_finished(out)
             result.append(_completions(out, spec, top_logprobs=False))
         return result
 
+    def generate_stream(self, prompts: list[list[int]], spec: SamplingSpec) -> Iterator[tuple[int, list[Completion]]]:
+        """``generate``, yielding each prompt's group as soon as all its samples finished.
+
+        Yields:
+            ``(i, group)`` in finishing order (not prompt order): ``group[k]`` is the k-th
+            Completion of ``prompts[i]``; every ``i`` exactly once. Samples are the same as
+            ``generate``'s for the same spec (same seeding rule). Closing the iterator early
+            aborts the unfinished requests.
+        Raises:
+            as ``generate``.
+        """
+        self._check(prompts, self.max_model_len - 1)
+        params = self._sampling_params(spec, len(prompts), output_kind=_final_only())
+        for i, out in self._stream(prompts, params, timeout_s=None):
+            _check_finished(out)
+            yield i, _completions(out, spec, top_logprobs=False)
+
     def generate_within(self, prompts: list[list[int]], spec: SamplingSpec, timeout_s: float, *,
                         top_logprobs: int = 0) -> list[list[Completion]]:
-        """``generate`` with a deadline: requests unfinished after ``timeout_s`` are aborted (collective).
+        """``generate`` with a deadline: requests unfinished after ``timeout_s`` are aborted.
 
         All requests are submitted together; the deadline is ``timeout_s`` seconds (wall clock)
         after submission and is checked between engine steps, so an abort lands at the first
         step boundary past it. Aborted requests are not waited for: their samples come back as
         ``Completion([], [], "timeout")`` (all n samples of a prompt, unless all n finished in
-        time). Each rank applies its own deadline; the engines keep
-        stepping in lockstep (a rank whose requests are done or aborted runs vLLM's dummy DP
-        steps) until every rank is done.
+        time).
 
         Args:
             prompts: this rank's prompts as token ids (may be ``[]``).
@@ -286,43 +316,46 @@ class VLLMEngine:
         Raises:
             ValueError: as ``generate``.
         """
-        from vllm.sampling_params import RequestOutputKind
-
         self._check(prompts, self.max_model_len - 1)
-        all_params = self._sampling_params(spec, len(prompts), logprobs=top_logprobs,
-                                           output_kind=RequestOutputKind.FINAL_ONLY)
-        engine, call = self._live().llm_engine, next(_DEADLINE_CALLS)
-        ids: list[str] = []
-        outs: dict[str, object] = {}
-        with _fork_global_rng():
-            try:
-                for i, (p, params) in enumerate(zip(prompts, all_params)):
-                    ids.append(f"yatt-deadline-{call}-{i}")
-                    engine.add_request(ids[-1], {"prompt_token_ids": p}, params)
-                deadline, pending = time.monotonic() + timeout_s, set(ids)
-                while engine.has_unfinished_requests():  # DP all-reduce: lockstep across ranks
-                    if pending and time.monotonic() >= deadline:
-                        engine.abort_request(sorted(pending))
-                        pending.clear()
-                    for out in engine.step():
-                        if out.finished and out.request_id in pending:
-                            outs[out.request_id] = out
-                            pending.discard(out.request_id)
-            except BaseException:
-                if pending := [r for r in ids if r not in outs]:
-                    engine.abort_request(pending)
-                raise
+        params = self._sampling_params(spec, len(prompts), logprobs=top_logprobs, output_kind=_final_only())
+        outs = dict(self._stream(prompts, params, timeout_s=timeout_s))
         result = []
-        for rid in ids:
-            out = outs.get(rid)
+        for i in range(len(prompts)):
+            out = outs.get(i)
             if out is None or any(c.finish_reason not in ("stop", "length") for c in out.outputs):
                 result.append([Completion([], [], "timeout") for _ in range(spec.n)])
                 continue
             result.append(_completions(out, spec, top_logprobs=top_logprobs > 0))
         return result
 
+    def _stream(self, prompts: list[list[int]], all_params: list, timeout_s: float | None):
+        """Submit all requests, step the engine, yield ``(i, RequestOutput)`` as each finishes.
+
+        Requests still running ``timeout_s`` after submission are aborted and yield
+        ``(i, None)``; on an exception or an early close every unfinished request is aborted.
+        """
+        engine, call = self._live().llm_engine, next(_CALLS)
+        pending = {f"yatt-{call}-{i}": i for i in range(len(prompts))}
+        with _fork_global_rng():
+            try:
+                for (rid, i), params in zip(pending.items(), all_params):
+                    engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
+                deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+                while pending and engine.has_unfinished_requests():
+                    if time.monotonic() >= deadline:
+                        engine.abort_request(sorted(pending))
+                        for rid in sorted(pending):
+                            yield pending.pop(rid), None
+                        break
+                    for out in engine.step():
+                        if out.finished and out.request_id in pending:
+                            yield pending.pop(out.request_id), out
+            finally:
+                if pending:
+                    engine.abort_request(sorted(pending))
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Teacher-forced logprobs under the engine's current weights (collective).
+        """Teacher-forced logprobs under the engine's current weights.
 
         Args:
             sequences: token ids (prompt + response), each of length in [1, max_model_len - 1].
@@ -342,7 +375,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights in place (no restart) and drop the prefix cache (collective).
+        """Load new weights in place (no restart) and drop the prefix cache (collective over TP).
 
         Args:
             weights: ``(hf_name, tensor)`` pairs of full (unsharded) tensors in HF naming, e.g.
@@ -358,7 +391,7 @@ class VLLMEngine:
         llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Free the engine (KV cache, weights); idempotent, collective under DP/TP.
+        """Free the engine (KV cache, weights); idempotent, collective (see the module docstring).
 
         A torch.distributed default group that existed before the engine stays usable (vLLM's
         own teardown would destroy it); only vLLM's subgroups are destroyed.
@@ -374,7 +407,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ helpers
     def _run(self, prompts: list[list[int]], params: list) -> list:
-        """Add requests and step the engine until every DP rank is done (outputs in order)."""
+        """Add requests and step the engine until all are done (outputs in prompt order)."""
         llm = self._live()
         with _fork_global_rng():
             return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
