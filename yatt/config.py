@@ -73,6 +73,14 @@ class RewardConfig(_Section):
     genrm: GenRMConfig = Field(default_factory=GenRMConfig)
 
 
+class PlacementConfig(_Section):
+    # colocate: every phase on every rank in turn; partial_colocate: samplers and GenRM ranks
+    # work at the same time, training on all ranks; disaggregated: GenRM ranks only judge.
+    mode: Literal["colocate", "partial_colocate", "disaggregated"] = "colocate"
+    genrm_ranks: int | Literal["auto"] = 1  # auto: ternary search (partial_colocate)
+    auto_repeats: int = Field(1, gt=0)  # steps measured per candidate split under auto
+
+
 class AlgoConfig(_Section):
     name: Literal["grpo"] = "grpo"
     clip_ratio_low: float = Field(0.2, ge=0)
@@ -116,6 +124,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -127,6 +136,15 @@ class Config(_Section):
         if self.trainer.prompts_per_rank * self.rollout.n < self.algo.mini_batches:
             raise ValueError("algo.mini_batches: more mini-batches than samples per rank "
                              "(trainer.prompts_per_rank * rollout.n)")
+        p = self.placement
+        if p.mode != "colocate" and self.reward.type == "rule":
+            raise ValueError(f"placement.mode: {p.mode} splits rollout and GenRM ranks, but reward.type is 'rule'")
+        if p.genrm_ranks != "auto" and p.genrm_ranks < 1:
+            raise ValueError(f"placement.genrm_ranks: must be >= 1 or 'auto', got {p.genrm_ranks}")
+        if p.genrm_ranks == "auto" and p.mode != "partial_colocate":
+            raise ValueError("placement.genrm_ranks: 'auto' tunes the partial_colocate split; give a number")
+        if p.mode == "disaggregated" and self.trainer.tp != 1:
+            raise ValueError("trainer.tp: placement.mode=disaggregated trains with trainer.tp=1 only")
         if self.trainer.lr < self.trainer.min_lr:
             raise ValueError("trainer.min_lr: must not exceed trainer.lr")
         return self

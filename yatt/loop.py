@@ -1,8 +1,10 @@
-"""One GRPO run as seen from one rank (full colocation): the step loop, top to bottom.
+"""One GRPO run as seen from one rank: the step loop, top to bottom.
 
-Every rank runs this same function (SPMD). Per step: its controller shard draws prompts,
-its vLLM engine rolls them out, the rule reward scores them, the Megatron trainer computes
-old/ref logprobs and updates, and the new weights are pushed into the engine in place.
+Every rank runs this same function (SPMD). Per step: its controller shard draws prompts; the
+placement (:mod:`yatt.placement`) rolls them out and scores them with the GenRM judge (one
+phase after another on every rank, or sampler and GenRM ranks side by side) and hands each
+rank the groups it trains on; the rule reward scores them; the Megatron trainer computes
+old/ref logprobs and updates; the new weights go into the rollout engines.
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ from yatt.controller.evaluate import evaluate
 from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
 from yatt.controller.shard import PromptShard
 from yatt.dist import RankInfo
+from yatt.placement.runner import Placement
 from yatt.reward.scorer import StepScorer
 
 log = logging.getLogger("yatt")
 _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out")  # summed over ranks, not averaged
+_MAXIMA = ("idle_max_s", "genrm_queue_tokens_max", "genrm_queue_groups_max")  # max over ranks
 
 
 def run(cfg: Config, info: RankInfo) -> list[dict]:
@@ -33,74 +37,81 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     from transformers import AutoTokenizer
 
     from yatt.rollout.vllm_engine import SamplingSpec, VLLMEngine
-    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig, init_parallel_state
 
     model_path = _resolve_model_once(cfg.model.path, info)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_rows, eval_rows = _load_data(cfg, tokenizer, info)
-    shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
     judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.type != "rule" else None
     scorer = StepScorer(cfg.reward, cfg.data.task, cfg.data.task_config, judge_path)
-    t = cfg.trainer
-    optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
-    optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
-    dtype = getattr(torch, cfg.model.dtype)
-    actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=dtype)
-    ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
-    tp_group, dp_group = _groups()
 
     def build_engine():
         return VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
                           kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
                           dtype=cfg.model.dtype)
 
-    engine = build_engine()
+    placement = Placement(cfg, info.rank, info.world_size, build_engine, scorer,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    log.info("%s", placement.roles.describe())
+    train_rows, eval_rows = _load_data(cfg, tokenizer, info, placement.eval_ranks)
+    shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
+    t = cfg.trainer
+    optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
+    optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
+    dtype = getattr(torch, cfg.model.dtype)
+    init_parallel_state(t.tp)  # collective, also on ranks that never train
+    actor = ref = None
+    if placement.trains:
+        actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=dtype, dp_group=placement.train_group)
+        ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
+    tp_group, dp_group = _groups()
+    dp_group = placement.train_group or dp_group
+    placement.start()
     writer = MetricsWriter(cfg.output_dir, info.rank)
-    records = [_eval_record(0, engine, eval_rows, scorer.rule, tokenizer, cfg, writer)]
+    records = [_eval_record(0, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer)]
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                         top_p=cfg.rollout.top_p)
 
     for step in tqdm(range(1, t.total_steps + 1), desc="steps", disable=info.rank != 0, dynamic_ncols=True):
         timer, t0 = PhaseTimer(), time.perf_counter()
         rows = shard.next_batch()
-        with timer("rollout"):
-            spec.seed = (cfg.seed * 1_000_003 + step) * 4099 + info.rank  # reproducible per step and rank
-            completions = engine.generate([r.prompt_ids for r in rows], spec)
-        with timer("reward"):
-            texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group] for group in completions]
-            rule = scorer.rule_scores(rows, texts)
-        genrm, sums = None, {}
-        if scorer.uses_genrm:  # colocate: the rollout engine gives its memory to the judge
-            engine.shutdown()
-            with timer("genrm"):
-                genrm, sums = scorer.genrm_scores(rows, texts, seed=spec.seed)
-        samples = make_samples(rows, completions, scorer.combine(rule, genrm), cfg.algo.norm_adv_by_std)
-        sums.update(_sample_sums(samples, rule))
-        if t.tp > 1:  # the ranks of one TP group train on the same data
-            samples = _gather(samples, tp_group, t.tp)
-        mini_batches = make_mini_batches(samples, cfg.algo.mini_batches, t.micro_batch_tokens, tokenizer.pad_token_id)
-        with timer("logprob"):
-            logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
-        with timer("train"):
-            sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group))
-        sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
-        with timer("sync"):
+        spec.seed = (cfg.seed * 1_000_003 + step) * 4099 + info.rank  # reproducible per step and rank
+        groups, sums = placement.rollout_and_score(rows, spec, actor, timer)
+        if placement.trains:
+            with timer("reward"):
+                rule = scorer.rule_scores([g.row for g in groups], [g.texts for g in groups])
+                genrm = [s for g in groups for s in g.genrm] if scorer.uses_genrm else None
+            samples = make_samples([g.row for g in groups], [g.completions for g in groups],
+                                   scorer.combine(rule, genrm), cfg.algo.norm_adv_by_std)
+            sums.update(_sample_sums(samples, rule))
             if scorer.uses_genrm:
-                engine = build_engine()
-            engine.update_weights(actor.export_hf_weights())
+                sums.update(scorer.genrm_sums(groups))
+            if t.tp > 1:  # the ranks of one TP group train on the same data
+                samples = _gather(samples, tp_group, t.tp)
+            mini_batches = make_mini_batches(samples, cfg.algo.mini_batches, t.micro_batch_tokens, tokenizer.pad_token_id)
+            with timer("logprob"):
+                logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
+            with timer("train"):
+                sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group))
+            sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
+        placement.sync(actor, timer)
+        idle = sums.pop("idle_s")[0] + _wait_for_peers()  # a rank with nothing left waits here
         timer.times["time_step_s"] = time.perf_counter() - t0
         sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
-        record = {"step": step, **global_means(sums, op_max=(*timer.times, *timer.peaks), op_sum=_COUNTERS)}
+        sums.update(idle_s=(idle, 1.0), idle_max_s=(idle, 1.0))
+        record = {"step": step, **global_means(sums, op_max=_MAXIMA, op_sum=_COUNTERS,
+                                                      max_prefixes=("time_", "mem_peak_"))}
         record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
+        record["idle_rank_s"] = _all_gather_float(idle)
+        placement.end_step(record)
         writer.write(record)
         records.append(record)
         if info.rank == 0:
             tqdm.write(_line(record))
         if cfg.eval.every and step % cfg.eval.every == 0 and step != t.total_steps:
-            records.append(_eval_record(step, engine, eval_rows, scorer.rule, tokenizer, cfg, writer))
-    records.append(_eval_record(t.total_steps, engine, eval_rows, scorer.rule, tokenizer, cfg, writer))
-    engine.shutdown()
+            records.append(_eval_record(step, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer))
+    records.append(_eval_record(t.total_steps, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer))
+    placement.close()
     return records
 
 
@@ -113,9 +124,13 @@ def _resolve_model_once(name: str, info: RankInfo):
     return path if info.rank == 0 else resolve_model(name)
 
 
-def _load_data(cfg: Config, tokenizer, info: RankInfo):
+def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ...]):
+    """This rank's train shard (every rank draws prompts) and eval shard (over ``eval_ranks``)."""
     train, tstats = load_prompts(cfg.data, tokenizer, "train", info.rank, info.world_size)
-    evals, estats = load_prompts(cfg.data, tokenizer, "eval", info.rank, info.world_size)
+    if info.rank in eval_ranks:
+        evals, estats = load_prompts(cfg.data, tokenizer, "eval", eval_ranks.index(info.rank), len(eval_ranks))
+    else:
+        evals, estats = [], type(tstats)()
     counts = {f"{split}_{k}": (float(v), 1.0) for split, st in (("train", tstats), ("eval", estats))
               for k, v in {"rows": st.rows, "kept": st.kept, **{f"skipped_{r}": n for r, n in st.skipped.items()}}.items()}
     totals = {k: round(v * info.world_size) for k, v in global_means(counts).items()}
@@ -136,6 +151,22 @@ def _gather(samples, group, size: int):
     return [s for part in parts for s in part]
 
 
+def _wait_for_peers() -> float:
+    """Seconds this rank waits for the slowest rank at the end of the step (idle time)."""
+    t0 = time.perf_counter()
+    if dist.is_initialized():
+        dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _all_gather_float(x: float) -> list[float]:
+    if not dist.is_initialized():
+        return [round(x, 3)]
+    out = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    dist.all_gather_into_tensor(out, torch.tensor([x], dtype=torch.float64))
+    return [round(v, 3) for v in out.tolist()]
+
+
 def _sample_sums(samples, rule: list[float]) -> dict[str, tuple[float, float]]:
     n = float(len(samples))
     return {
@@ -148,8 +179,9 @@ def _sample_sums(samples, rule: list[float]) -> dict[str, tuple[float, float]]:
     }
 
 
-def _eval_record(step, engine, rows, reward_fn, tokenizer, cfg: Config, writer: MetricsWriter) -> dict:
-    record = {"step": step, **evaluate(engine, rows, reward_fn, tokenizer, cfg.eval.max_tokens)}
+def _eval_record(step, placement, actor, rows, reward_fn, tokenizer, cfg: Config, writer: MetricsWriter) -> dict:
+    with placement.eval_engine(actor) as engine:
+        record = {"step": step, **evaluate(engine, rows, reward_fn, tokenizer, cfg.eval.max_tokens)}
     writer.write(record)
     log.info("eval step %d: accuracy %.3f reward %.3f", step, record["eval_accuracy"], record["eval_reward_mean"])
     return record
@@ -157,8 +189,12 @@ def _eval_record(step, engine, rows, reward_fn, tokenizer, cfg: Config, writer: 
 
 def _line(r: dict) -> str:
     genrm = f" genrm {r['reward_genrm_mean']:.3f} unparsable {r['genrm_unparsable']:.0f}" if "reward_genrm_mean" in r else ""
+    phases = " ".join(f"{name} {r[f'time_{key}_s']:.1f}" for name, key in _PHASES if f"time_{key}_s" in r)
     return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f}{genrm} | kl {r['kl']:.4f} "
             f"ent {r['entropy']:.3f} clip {r['clip_frac']:.3f} gnorm {r['grad_norm']:.3f} | len {r['response_len_mean']:.1f} "
-            f"| lpdiff {r['logprob_diff_rollout_vs_train']:.1e} | {r['time_step_s']:.1f}s "
-            f"(roll {r['time_rollout_s']:.1f} {'genrm %.1f ' % r['time_genrm_s'] if genrm else ''}lp {r['time_logprob_s']:.1f} train {r['time_train_s']:.1f} "
-            f"sync {r['time_sync_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
+            f"| lpdiff {r['logprob_diff_rollout_vs_train']:.1e} | {r['time_step_s']:.1f}s ({phases} "
+            f"idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
+
+
+_PHASES = (("roll", "rollout"), ("genrm", "genrm"), ("lp", "logprob"), ("train", "train"), ("sync", "sync"),
+           ("engines", "engines"))

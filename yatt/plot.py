@@ -35,8 +35,10 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     axes[0].set_title("reward")
     axes[1].plot(steps, [r["response_len_mean"] for r in train], marker=".", color="tab:green")
     axes[1].set_title("response length (tokens)")
-    for key in ("time_rollout_s", "time_reward_s", "time_logprob_s", "time_train_s", "time_sync_s"):
-        axes[2].plot(steps, [r[key] for r in train], marker=".", label=key[5:-2])
+    for key in ("time_rollout_s", "time_genrm_s", "time_reward_s", "time_logprob_s", "time_train_s",
+                "time_sync_s", "time_engines_s"):
+        if train and all(key in r for r in train):
+            axes[2].plot(steps, [r[key] for r in train], marker=".", label=key[5:-2])
     axes[2].set_title("phase time (s)")
     for ax in axes:
         ax.set_xlabel("step")

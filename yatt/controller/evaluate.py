@@ -5,7 +5,9 @@ from yatt.controller.metrics import global_means
 
 
 def evaluate(engine, rows, reward_fn, tokenizer, max_tokens: int) -> dict[str, float]:
-    """Greedy-decode this rank's eval prompts and score them.
+    """Greedy-decode this rank's eval prompts and score them (collective: the reduction).
+
+    ``engine`` may be None on a rank without eval prompts (a GenRM-only rank).
 
     Returns:
         ``eval_accuracy`` (fraction with reward exactly 1), ``eval_reward_mean`` and
@@ -13,7 +15,8 @@ def evaluate(engine, rows, reward_fn, tokenizer, max_tokens: int) -> dict[str, f
     """
     from yatt.rollout.vllm_engine import SamplingSpec
 
-    outs = engine.generate([r.prompt_ids for r in rows], SamplingSpec(n=1, max_tokens=max_tokens, temperature=0.0))
+    spec = SamplingSpec(n=1, max_tokens=max_tokens, temperature=0.0)
+    outs = engine.generate([r.prompt_ids for r in rows], spec) if rows else []
     correct = reward = length = 0.0
     for row, (c,) in zip(rows, outs):
         r = reward_fn(tokenizer.decode(c.token_ids, skip_special_tokens=True), row.entry)

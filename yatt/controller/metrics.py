@@ -52,15 +52,23 @@ class PhaseTimer:
 
 
 def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple[str, ...] = (),
-                 op_sum: tuple[str, ...] = ()) -> dict[str, float]:
+                 op_sum: tuple[str, ...] = (), max_prefixes: tuple[str, ...] = ()) -> dict[str, float]:
     """Reduce ``{name: (sum, count)}`` over ``group`` and return ``{name: sum/count}``.
 
-    Names in ``op_max`` give the max over ranks of their sum, names in ``op_sum`` the global
-    sum (counts ignored for both). A name with global count 0 gives 0.0, never NaN.
+    Names in ``op_max`` or starting with one of ``max_prefixes`` give the max over ranks of
+    their sum, names in ``op_sum`` the global
+    sum (counts ignored for both). A name with global count 0 gives 0.0, never NaN. Ranks
+    may pass different names (a GenRM-only rank has no training metrics): a name missing on
+    a rank counts as ``(0, 0)`` there.
     """
     names = sorted(sums)
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, names, group=group)
+        names = sorted(set().union(*every))
     if not names:
         return {}
+    sums = {k: sums.get(k, (0.0, 0.0)) for k in names}
     t = torch.tensor([[float(sums[k][0]), float(sums[k][1])] for k in names], dtype=torch.float64)
     mx = torch.tensor([float(sums[k][0]) for k in names], dtype=torch.float64)
     if dist.is_initialized():
@@ -68,7 +76,7 @@ def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
     out = {}
     for i, k in enumerate(names):
-        if k in op_max:
+        if k in op_max or k.startswith(max_prefixes):
             out[k] = float(mx[i])
         elif k in op_sum:
             out[k] = float(t[i, 0])

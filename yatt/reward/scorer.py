@@ -2,8 +2,8 @@
 
 The rule reward (reasoning-gym's scorer) is always computed: it is the ground truth behind the
 ``accuracy`` metric even when the policy is trained on the judge's score. The GenRM judge runs
-on its own vLLM engine, built for the scoring phase and shut down after it (full colocation on
-CPU, where vLLM has no sleep mode: the phase owns the memory while it runs).
+on its own vLLM engine; when it is built and shut down is the placement's business
+(:mod:`yatt.placement.runner`).
 """
 from __future__ import annotations
 
@@ -31,36 +31,48 @@ class StepScorer:
         """Rule reward of each response, prompt-major (``G * n`` floats in [0, 1])."""
         return [self.rule(t, row.entry) for row, group in zip(rows, texts) for t in group]
 
-    def genrm_scores(self, rows, texts: list[list[str]], seed: int) -> tuple[list[float], dict]:
-        """Judge every response (collective: every rank calls, the judge engine lives for this call).
-
-        Returns:
-            (``G * n`` judge scores in [0, 1], prompt-major; (sum, count) metric pairs
-            ``reward_genrm_mean`` and the counters ``genrm_unparsable``, ``genrm_timed_out``).
-        """
+    def make_judge(self, seed: int):
+        """Build the judge: a vLLM engine of the judge model (collective, see
+        :mod:`yatt.rollout.vllm_engine`) wrapped in a :class:`~yatt.reward.genrm.GenRMJudge`.
+        Shut it down with ``judge.engine.shutdown()``."""
         from transformers import AutoTokenizer
 
-        from yatt.reward.genrm import GenRMJudge, JudgeItem
+        from yatt.reward.genrm import GenRMJudge
         from yatt.rollout.vllm_engine import VLLMEngine
 
         g = self.cfg.genrm
         engine = VLLMEngine(str(self.judge_path), max_model_len=g.max_model_len,
                             kv_cache_memory_bytes=g.kv_cache_memory_bytes, seed=seed)
-        try:
-            judge = GenRMJudge(engine, AutoTokenizer.from_pretrained(self.judge_path), template=g.template,
-                               mode=g.mode, k=g.k, max_tokens=g.max_tokens, temperature=g.temperature,
-                               timeout_s=g.timeout_s, unparsable_score=g.unparsable_score, seed=seed)
-            items = [JudgeItem(row.question, t, row.answer) for row, group in zip(rows, texts) for t in group]
-            results = judge.score(items)
-        finally:
-            engine.shutdown()
-        scores = [r.score for r in results]
-        sums = {
+        return GenRMJudge(engine, AutoTokenizer.from_pretrained(self.judge_path), template=g.template,
+                          mode=g.mode, k=g.k, max_tokens=g.max_tokens, temperature=g.temperature,
+                          timeout_s=g.timeout_s, unparsable_score=g.unparsable_score, seed=seed)
+
+    def judge_groups(self, judge, groups) -> None:
+        """Judge every response of ``groups`` (SampleGroup-like: ``row``, ``texts``) in one batch.
+
+        Sets each group's ``genrm`` (one score in [0, 1] per response), ``unparsable`` and
+        ``timed_out`` (judgements counted as such; a timed-out one is also unparsable).
+        """
+        from yatt.reward.genrm import JudgeItem
+
+        items = [JudgeItem(g.row.question, t, g.row.answer) for g in groups for t in g.texts]
+        results = iter(judge.score(items))
+        for g in groups:
+            mine = [next(results) for _ in g.texts]
+            g.genrm = [r.score for r in mine]
+            g.unparsable = sum(r.unparsable for r in mine)
+            g.timed_out = sum(r.timed_out for r in mine)
+
+    @staticmethod
+    def genrm_sums(groups) -> dict[str, tuple[float, float]]:
+        """(sum, count) pairs of judged groups: ``reward_genrm_mean`` and the counters
+        ``genrm_unparsable``, ``genrm_timed_out``."""
+        scores = [s for g in groups for s in g.genrm]
+        return {
             "reward_genrm_mean": (sum(scores), len(scores)),
-            "genrm_unparsable": (sum(r.unparsable for r in results), 1.0),
-            "genrm_timed_out": (sum(r.timed_out for r in results), 1.0),
+            "genrm_unparsable": (sum(g.unparsable for g in groups), 1.0),
+            "genrm_timed_out": (sum(g.timed_out for g in groups), 1.0),
         }
-        return scores, sums
 
     def combine(self, rule: list[float], genrm: list[float] | None) -> list[float]:
         """The training reward by ``reward.type`` (``genrm_with_rule``: weighted sum)."""

@@ -9,6 +9,8 @@ decides the normalisation.
 """
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -101,6 +103,53 @@ def _select_hidden(select, module, args, kwargs):
     return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
 
 
+def init_parallel_state(tp: int) -> None:
+    """Megatron ``parallel_state`` with TP=tp, PP=1 over the world (collective: every rank
+    calls it, also ranks that never build a model); a no-op when it already has TP=tp.
+
+    Raises:
+        ValueError: it exists with another TP.
+    """
+    from megatron.core import parallel_state
+
+    megatron_cpu.apply()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    elif parallel_state.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(f"Megatron parallel_state already has TP="
+                         f"{parallel_state.get_tensor_model_parallel_world_size()}, asked for TP={tp}")
+
+
+@contextlib.contextmanager
+def _world_is(group):
+    """Within the block, torch.distributed's default-group ``get_world_size`` and
+    ``all_gather_object`` act on ``group`` (None: unchanged). Megatron-Core 0.16.1's optimizer
+    setup all-gathers parameter-group keys over the whole world; with ranks that never train
+    (``placement.mode=disaggregated``) that gather must stay among the trainers."""
+    if group is None:
+        yield
+        return
+    size, gather, sub = dist.get_world_size, dist.all_gather_object, group
+
+    def get_world_size(group=None):
+        return size(sub if group is None else group)
+
+    def all_gather_object(object_list, obj, group=None):
+        return gather(object_list, obj, group=sub if group is None else group)
+
+    dist.get_world_size, dist.all_gather_object = get_world_size, all_gather_object
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.all_gather_object = size, gather
+
+
+def _all_reduce_grad_buffers(model_chunks, group) -> None:
+    for chunk in model_chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            dist.all_reduce(buffer.grad_data, group=group)
+
+
 def _shift_right(x: torch.Tensor) -> torch.Tensor:
     """[B, T] scores at the predicting position -> at the predicted token (0 at t = 0)."""
     return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
@@ -115,16 +164,19 @@ class MegatronPolicy:
             (TP=tp, PP=1) unless already initialised with the same TP.
         optim: None for a frozen model (reference policy: no grads, no optimizer).
         dtype: parameter dtype, fp32 or bf16 (bf16 trains with fp32 main params and grads).
+        dp_group: process group whose ranks train together (gradients summed over it); None =
+            Megatron's data-parallel group (every rank trains). A subgroup is for layouts where
+            some ranks never train (``placement.mode=disaggregated``); it needs ``tp == 1``.
     Raises:
         RuntimeError: torch.distributed is not initialised (call ``yatt.dist.init_distributed``).
         ValueError: parallel_state exists with another TP, world not divisible by tp, fp16, or
-            ``optim.warmup_steps >= optim.total_steps``.
+            ``optim.warmup_steps >= optim.total_steps``, or ``dp_group`` with ``tp > 1``.
     Side effects: installs :mod:`yatt.trainer.megatron_cpu` on CPU; sets up Megatron's RNG
     tracker (seed 1234) without disturbing the global torch RNG.
     """
 
     def __init__(self, hf_path: str | Path, *, tp: int = 1, optim: OptimConfig | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, dp_group=None):
         megatron_cpu.apply()
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -135,14 +187,14 @@ class MegatronPolicy:
             raise ValueError(f"dtype {dtype} not supported (fp32 or bf16)")
         if dist.get_world_size() % tp:
             raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP={tp}")
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-        elif parallel_state.get_tensor_model_parallel_world_size() != tp:
-            raise ValueError(f"Megatron parallel_state already has TP="
-                             f"{parallel_state.get_tensor_model_parallel_world_size()}, asked for TP={tp}")
+        if dp_group is not None and tp != 1:
+            raise ValueError("a custom dp_group needs tp=1")
+        init_parallel_state(tp)
         with torch.random.fork_rng(devices=[]):
             model_parallel_cuda_manual_seed(1234)
-        self.tp, self.dp = tp, parallel_state.get_data_parallel_world_size()
+        self.dp_group = dp_group
+        self.tp = tp
+        self.dp = dist.get_world_size(dp_group) if dp_group is not None else parallel_state.get_data_parallel_world_size()
         self.optim = optim
         self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, calculate_per_token_loss=True)
         self.config = self.model.config
@@ -170,12 +222,17 @@ class MegatronPolicy:
                                                    use_distributed_optimizer=False)
         self.model = DistributedDataParallel(self.config, ddp_config, self.model)
         # Sum, not mean: finalise grads (DP all-reduce) without dividing by the token count.
-        self.config.finalize_model_grads_func = (
-            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-            clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype), [self.model])
+        if self.dp_group is None:
+            self.config.finalize_model_grads_func = (
+                lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+        else:  # TP=1, PP=1: the DP sum of the grad buffers is all that finalising does
+            self.config.finalize_model_grads_func = (
+                lambda model, num_tokens=None, **kw: _all_reduce_grad_buffers(model, self.dp_group))
+        with _world_is(self.dp_group):
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype), [self.model])
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,

@@ -1,0 +1,1 @@
+"""Placement of rollout, GenRM and training over rank groups (colocate, partial, disaggregated)."""
