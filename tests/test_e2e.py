@@ -2,6 +2,8 @@
 import json
 import math
 
+import pytest
+
 REQUIRED = (
     "step reward_mean accuracy kl entropy clip_frac grad_norm response_len_mean "
     "logprob_diff_rollout_vs_train time_rollout_s time_reward_s time_logprob_s time_train_s "
@@ -29,14 +31,31 @@ def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path):
     assert (out / "config.yaml").exists()
 
 
-def test_genrm_recipe_colocate_writes_genrm_metrics(mpirun, tmp_path):
+@pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
+def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, mode):
     out = tmp_path / "run"
-    mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", "trainer.total_steps=1",
-            f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=2", "data.eval_size=8"], 2, timeout=900)
+    mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", "trainer.total_steps=2",
+            f"placement.mode={mode}", f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=2",
+            "data.eval_size=8"], 2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    (record,) = [r for r in records if "reward_mean" in r]
-    keys = REQUIRED + ["reward_genrm_mean", "genrm_unparsable", "time_genrm_s", "reward_rule_mean"]
-    bad = {k: record.get(k) for k in keys if not (isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))}
-    assert not bad, bad
-    assert record["reward_mean"] == record["reward_genrm_mean"] and 0.0 <= record["reward_genrm_mean"] <= 1.0
-    assert record["genrm_unparsable"] == 0  # P(yes) mode: every judgement is read from logprobs
+    train = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
+    keys = REQUIRED + ["reward_genrm_mean", "genrm_unparsable", "time_genrm_s", "reward_rule_mean",
+                       "time_rollout_genrm_s", "idle_s", "idle_max_s"]
+    if mode != "colocate":
+        keys += ["genrm_queue_tokens_max", "genrm_queue_groups_max", "genrm_queue_tokens_mean"]
+    if mode != "disaggregated":
+        keys += ["time_engines_s"]  # CPU: engines torn down and rebuilt to release memory
+    for record in train:
+        bad = {k: record.get(k) for k in keys
+               if not (isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))}
+        assert not bad, bad
+        assert record["reward_mean"] == record["reward_genrm_mean"] and 0.0 <= record["reward_genrm_mean"] <= 1.0
+        assert record["genrm_unparsable"] == 0  # P(yes) mode: every judgement is read from logprobs
+        assert record["logprob_diff_rollout_vs_train"] < 1e-3  # the rollout engine got the new weights
+        assert len(record["idle_rank_s"]) == 2 and all(x >= 0 for x in record["idle_rank_s"])
+        if mode != "colocate":
+            assert record["genrm_queue_groups_max"] >= 1
+        if mode == "disaggregated":  # the GenRM rank waits while rank 0 trains
+            assert record["idle_rank_s"][1] > record["time_train_s"] * 0.5

@@ -1,0 +1,111 @@
+"""Placement: role plans, the ternary split search, and the async streaming path under mpirun."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from yatt.config import ConfigError, load_config
+from yatt.placement.plan import plan_roles, route
+from yatt.placement.search import SplitSearch
+
+GENRM_RECIPE = "configs/grpo_smollm2_genrm.yaml"
+
+
+# ---------------------------------------------------------------- role plans
+def test_roles_per_mode():
+    co = plan_roles("colocate", 4)
+    assert co.samplers == co.judges == co.trainers == (0, 1, 2, 3) and not co.split
+    pa = plan_roles("partial_colocate", 4, 1)
+    assert (pa.samplers, pa.judges, pa.trainers) == ((0, 1, 2), (3,), (0, 1, 2, 3)) and pa.split
+    di = plan_roles("disaggregated", 4, 2)
+    assert (di.samplers, di.judges, di.trainers) == ((0, 1), (2, 3), (0, 1))
+
+
+def test_prompts_spread_over_samplers_and_owned_by_trainers():
+    roles = plan_roles("disaggregated", 4, 1)
+    per_sampler = [sum(roles.sampler_of(g) == s for g in range(24)) for s in roles.samplers]
+    assert per_sampler == [8, 8, 8]
+    assert roles.owner_of(5, origin=1) == 1  # a trainer trains on what it drew
+    assert roles.owner_of(19, origin=3) in roles.trainers  # a GenRM rank's prompts go to a trainer
+    partial = plan_roles("partial_colocate", 4, 1)
+    assert all(partial.owner_of(g, origin=g // 6) == g // 6 for g in range(24))
+
+
+@pytest.mark.parametrize("k", [0, 4, 7])
+def test_split_modes_need_a_proper_split(k):
+    with pytest.raises(ValueError, match="genrm_ranks"):
+        plan_roles("partial_colocate", 4, k)
+
+
+def test_route_without_mpi_is_identity_on_one_rank():
+    assert route({0: [1, 2]}, world=1) == [1, 2]
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize("overrides, key", [
+    (["placement.mode=partial_colocate", "reward.type=rule"], "placement.mode"),
+    (["placement.genrm_ranks=auto"], "placement.genrm_ranks"),
+    (["placement.genrm_ranks=0"], "placement.genrm_ranks"),
+    (["placement.mode=disaggregated", "trainer.tp=3"], "trainer.tp"),
+    (["placement.mode=split"], "placement.mode"),
+])
+def test_bad_placement_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(GENRM_RECIPE, overrides)
+
+
+def test_auto_split_config():
+    cfg = load_config(GENRM_RECIPE, ["placement.mode=partial_colocate", "placement.genrm_ranks=auto"])
+    assert cfg.placement.genrm_ranks == "auto"
+
+
+# ---------------------------------------------------------------- ternary search
+def _run_search(cost, lo, hi, repeats=1, noise=0.0, seed=0, max_steps=200):
+    rng = random.Random(seed)
+    search, steps = SplitSearch(lo, hi, repeats), 0
+    while search.best is None:
+        k = search.next()
+        assert lo <= k <= hi
+        search.record(k, cost(k) + rng.gauss(0, noise))
+        steps += 1
+        assert steps < max_steps, "search did not converge"
+    assert search.next() == search.best  # stays on the chosen split
+    return search.best, steps
+
+
+@pytest.mark.parametrize("opt", [1, 2, 7, 16, 30, 31])
+def test_ternary_search_finds_the_minimum_of_a_unimodal_cost(opt):
+    best, steps = _run_search(lambda k: (k - opt) ** 2 + 3.0, 1, 31)
+    assert best == opt
+    assert steps <= 2 * math.ceil(math.log(31, 1.5)) + 3  # logarithmic, not a sweep of 31
+
+
+def test_ternary_search_on_a_phase_time_shape():
+    # k GenRM ranks of 16: judging takes 130/k, sampling 60/(16-k): the phase waits for the slower.
+    cost = lambda k: max(130 / k, 60 / (16 - k))  # noqa: E731
+    best, _ = _run_search(cost, 1, 15)
+    assert best == min(range(1, 16), key=cost) == 11
+
+
+def test_ternary_search_with_noise_and_repeats():
+    hits = sum(_run_search(lambda k: abs(k - 9) * 1.0, 1, 20, repeats=3, noise=0.2, seed=s)[0] in (8, 9, 10)
+               for s in range(20))
+    assert hits >= 18
+
+
+def test_ternary_search_on_a_plateau_and_single_candidate():
+    best, _ = _run_search(lambda k: 5.0 if 4 <= k <= 8 else 5.0 + abs(k - 6), 1, 12)
+    assert 4 <= best <= 8
+    assert SplitSearch(1, 1).next() == 1  # world 2: one possible split, no search
+    with pytest.raises(ValueError):
+        SplitSearch(3, 2)
+
+
+# ---------------------------------------------------------------- async streaming under mpirun
+@pytest.mark.parametrize("args", [["1"], ["3"], ["2", "1"]], ids=["1-genrm", "3-genrm", "2-genrm-one-slow"])
+def test_streaming_delivers_every_group_exactly_once(mpirun, args):
+    """Samplers finish groups in shuffled order; every group is scored once and reaches its owner."""
+    proc = mpirun(["tests/mpi/stream_exactly_once.py", *args], ranks=4, timeout=300)
+    assert "OK" in proc.stdout
