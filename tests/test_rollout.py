@@ -180,3 +180,28 @@ def test_rejects_bad_input(engine):
         engine.generate([[]], SamplingSpec())
     with pytest.raises(ValueError):
         engine.score([[1] * 600])
+
+
+def test_generate_stream_yields_each_group_once_with_generate_samples(engine, prompts):
+    spec = SamplingSpec(n=3, max_tokens=12, seed=42)
+    streamed = list(engine.generate_stream(prompts, spec))
+    assert sorted(i for i, _ in streamed) == list(range(len(prompts)))
+    assert _same([g for _, g in sorted(streamed, key=lambda x: x[0])], engine.generate(prompts, spec))
+    assert list(engine.generate_stream([], spec)) == []
+
+
+def test_shutdown_releases_reloaded_weights(engine, state):
+    """Runs last in this module: it shuts the module's engine down.
+
+    vLLM keeps per-layer in-place-reload records (holding the layer's tensors) in a module-level
+    table that outlives the engine; without dropping them every rebuilt engine leaked its weights.
+    """
+    import gc
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    engine.update_weights(iter(state.items()))
+    assert len(layerwise.LAYERWISE_INFO) > 0
+    engine.shutdown()
+    gc.collect()
+    assert len(layerwise.LAYERWISE_INFO) == 0

@@ -21,6 +21,7 @@ import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine; must precede vllm import
 
 import contextlib
+import ctypes
 import gc
 import itertools
 import logging
@@ -115,6 +116,20 @@ def _reload_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> No
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
+def _forget_reload_state(worker) -> None:
+    """Runs on the vLLM worker before shutdown: drop the model's in-place-reload records.
+
+    vLLM keeps per-layer reload state (including the layer's kernel tensors) in the
+    module-level ``layerwise.LAYERWISE_INFO``; those entries outlive the engine, so every
+    engine that received ``update_weights`` leaked its weights (measured: +0.8 GiB RSS and
+    +819 live tensors per SmolLM2 engine rebuilt and pushed to).
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for module in worker.model_runner.get_model().modules():
+        layerwise.LAYERWISE_INFO.pop(module, None)
+
+
 def _get_rng_states() -> tuple:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
@@ -151,6 +166,20 @@ def _keep_default_process_group():
 def _shutdown_keep_world(core) -> None:
     with _keep_default_process_group():
         core.shutdown()
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    An engine teardown frees gigabytes in many small blocks that glibc otherwise keeps
+    resident; with an engine rebuilt every step (colocated GenRM on CPU) the resident size
+    crept up by ~1 GiB per step without this. Measured: RSS after a SmolLM2 / Qwen-0.5B
+    teardown 1.15-2.0 GiB without, 0.73-1.4 GiB with.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _final_only():
@@ -399,11 +428,13 @@ class VLLMEngine:
         llm = getattr(self, "_llm", None)
         if llm is None:
             return
+        llm.collective_rpc(_forget_reload_state)
         with contextlib.nullcontext() if self._owns_world else _keep_default_process_group():
             llm.llm_engine.engine_core.shutdown()
         self._llm = None
         del llm
         gc.collect()
+        _release_free_heap()
 
     # ------------------------------------------------------------------ helpers
     def _run(self, prompts: list[list[int]], params: list) -> list:
