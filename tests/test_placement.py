@@ -109,3 +109,21 @@ def test_streaming_delivers_every_group_exactly_once(mpirun, args):
     """Samplers finish groups in shuffled order; every group is scored once and reaches its owner."""
     proc = mpirun(["tests/mpi/stream_exactly_once.py", *args], ranks=4, timeout=300)
     assert "OK" in proc.stdout
+
+
+def test_launch_rejects_split_placement_without_mpi_or_room(mpirun, tmp_path):
+    import subprocess
+    import sys
+
+    args = ["-m", "yatt.launch", "--config", GENRM_RECIPE, "placement.mode=partial_colocate",
+            f"output_dir={tmp_path / 'run'}"]
+    single = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    assert single.returncode == 2 and "placement.mode" in single.stderr and "mpirun" in single.stderr
+    with pytest.raises(AssertionError, match="placement.genrm_ranks"):  # 2 GenRM ranks leave no sampler
+        mpirun([*args, "placement.genrm_ranks=2"], ranks=2, timeout=120)
+    assert not (tmp_path / "run").exists()  # rejected before anything was written
+
+
+def test_auto_split_resplits_the_world_until_the_search_settles(mpirun):
+    proc = mpirun(["tests/mpi/auto_split.py"], ranks=4, timeout=300)
+    assert "OK" in proc.stdout

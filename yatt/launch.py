@@ -56,6 +56,23 @@ def _check_model_parallel(cfg) -> None:
         raise ConfigError(f"config key 'trainer.tp': {e}") from None
 
 
+def _check_placement(cfg) -> None:
+    """Split placements need MPI (they stream over MPI communicators) and room for the split."""
+    from yatt.dist import discover
+    from yatt.placement.runner import roles_for
+
+    if cfg.placement.mode == "colocate":
+        return
+    info = discover()
+    if info.source != "mpi":
+        raise ConfigError(f"config key 'placement.mode': {cfg.placement.mode} streams over MPI; "
+                          f"launch with mpirun (this job came from {info.source})")
+    try:
+        roles_for(cfg, info.world_size)
+    except ValueError as e:
+        raise ConfigError(f"config key 'placement.genrm_ranks': {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m yatt.launch", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. configs/grpo_smollm2.yaml")
@@ -65,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         _check_output_dir(cfg)
         _check_model_parallel(cfg)
+        _check_placement(cfg)
     except ConfigError as e:
         if os.environ.get("PMI_RANK", os.environ.get("RANK", "0")) == "0":  # once per job, not per rank
             print(f"yatt: {e}", file=sys.stderr)

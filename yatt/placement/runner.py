@@ -155,7 +155,7 @@ class Placement:
         for gid, row in zip(gids, rows):
             outgoing[roles.sampler_of(gid)].append((gid, self.rank, row))
         mine = route(outgoing, self.world)  # the prompts this rank rolls out (none on GenRM ranks)
-        inter = self._intercomm()
+        inter = self.intercomm()
         idle, sums, scored = 0.0, {}, []
         if self.rank in roles.samplers:
             sender = StreamSender(inter)
@@ -235,7 +235,7 @@ class Placement:
         else:
             self.judge = self.scorer.make_judge(seed=seed)
 
-    def _intercomm(self):
+    def intercomm(self):
         """Sampler/GenRM communicators of the current split (``MPI_Comm_split`` + intercomm)."""
         from mpi4py import MPI
 
