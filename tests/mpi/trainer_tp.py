@@ -7,6 +7,8 @@ tp: logprobs / entropies equal HF's, exported weights are bit-identical to the c
     grad norm of one step equals HF autograd's on the same loss.
 dp: each rank holds one micro-batch; after one train_step the grad norm equals HF autograd's on
     the concatenated batch (gradient = SUM over DP ranks) and both ranks hold identical weights.
+subgroup (mpirun -np 3): the same with ranks 0 and 1 training over their own DP group (tiny
+    Qwen2) while rank 2 never builds a trainer (placement.mode=disaggregated's GenRM rank).
 Asserts; exits non-zero on failure. Also imported by tests/test_trainer.py for the HF reference.
 """
 from __future__ import annotations
@@ -190,6 +192,33 @@ def check_dp(rank: int) -> None:
     print(f"[rank {rank}] DP=2 parameters identical on both ranks", flush=True)
 
 
+def check_dp_subgroup(rank: int) -> None:
+    import tempfile
+
+    import torch.distributed as dist
+
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig, init_parallel_state
+
+    init_parallel_state(1)
+    group = dist.new_group([0, 1])  # collective over the world, rank 2 included
+    if rank < 2:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = save_tiny_hf(tmp, "qwen2", vocab_size=100, tied=False)  # same seed: same model on both
+            policy = MegatronPolicy(tmp, tp=1, optim=OptimConfig(lr=1e-3), dp_group=group)
+        assert policy.dp == 2
+        gen = torch.Generator().manual_seed(3)
+        mbs = [{"input_ids": torch.randint(0, 100, (2, 10), generator=gen), "mask": torch.ones(2, 10)} for _ in range(2)]
+        ref = hf_grad_norm(hf, mbs, sum_logprob_loss)
+        stats = policy.train_step([mbs[rank]], sum_logprob_loss)
+        print(f"[rank {rank}] trainer subgroup grad_norm {stats['grad_norm']:.6f} vs HF on both {ref:.6f}", flush=True)
+        assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
+        for name, p in policy.module.named_parameters():
+            theirs = p.detach().clone()
+            dist.broadcast(theirs, src=0, group=group)
+            assert torch.equal(theirs, p.detach()), f"trainers differ on {name}"
+    dist.barrier()  # the rank that never trained is still in step with the world
+
+
 def check_cpu_layer_pp_and_distributed_optimizer(rank: int) -> None:
     """Smoke test of the CPU layer's remaining redirects on a tiny GPT (2 ranks).
 
@@ -256,11 +285,13 @@ def main(argv: list[str]) -> int:
 
     mode = argv[1] if len(argv) > 1 else "tp"
     info = init_distributed(threads=1)
-    expected = {"tp": 3, "dp": 2}[mode]
+    expected = {"tp": 3, "dp": 2, "subgroup": 3}[mode]
     assert info.world_size == expected, f"mode {mode} needs mpirun -np {expected}, got {info.world_size}"
     t0 = time.time()
     if mode == "tp":
         check_tp(info.rank)
+    elif mode == "subgroup":
+        check_dp_subgroup(info.rank)
     else:
         check_dp(info.rank)
         check_cpu_layer_pp_and_distributed_optimizer(info.rank)

@@ -121,9 +121,8 @@ class Placement:
         if self.roles.mode == "partial_colocate":
             with timer("engines"):
                 self._build_split_engines(seed=spec.seed)
-            if self.engine is not None or actor is not None:
-                with timer("sync"):
-                    self._push(actor)
+            with timer("sync"):  # every rank trains here, so every rank has the new weights
+                self._push(actor)
         with timer("rollout_genrm"):
             groups, sums = self._streamed(rows, gids, spec, timer)
         if self.roles.mode == "partial_colocate":  # training owns every rank

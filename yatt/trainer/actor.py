@@ -10,7 +10,6 @@ decides the normalisation.
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
