@@ -127,3 +127,52 @@ def test_launch_rejects_split_placement_without_mpi_or_room(mpirun, tmp_path):
 def test_auto_split_resplits_the_world_until_the_search_settles(mpirun):
     proc = mpirun(["tests/mpi/auto_split.py"], ranks=4, timeout=300)
     assert "OK" in proc.stdout
+
+
+# ---------------------------------------------------------------- engine slots (release between phases)
+class _RecordingEngine:
+    """Records the calls a slot makes; ``can_sleep`` picks GPU (sleep) or CPU (teardown) release."""
+
+    def __init__(self, log: list, can_sleep: bool):
+        self.log, self.can_sleep = log, can_sleep
+        log.append("build")
+
+    def sleep(self):
+        self.log.append("sleep")
+
+    def wake_up(self):
+        self.log.append("wake_up")
+
+    def shutdown(self):
+        self.log.append("shutdown")
+
+
+@pytest.mark.parametrize("can_sleep, expected", [
+    (False, ["build", "shutdown", "build", "shutdown"]),  # CPU: release = teardown, wake = rebuild
+    (True, ["build", "sleep", "wake_up", "sleep", "shutdown"]),  # GPU: built once, slept and woken
+])
+def test_engine_slot_releases_by_sleep_or_teardown(can_sleep, expected):
+    from yatt.placement.slots import EngineSlot
+
+    log: list = []
+    slot = EngineSlot(lambda: _RecordingEngine(log, can_sleep))
+    assert slot.wake() is slot.wake()  # waking an awake engine is a no-op
+    slot.sleep()
+    slot.sleep()  # idempotent
+    slot.wake()
+    slot.sleep()
+    slot.close()
+    assert log == expected
+    assert slot.obj is None and not slot.asleep
+
+
+def test_engine_slot_reaches_the_engine_inside_a_judge():
+    from types import SimpleNamespace
+
+    from yatt.placement.slots import EngineSlot
+
+    log: list = []
+    slot = EngineSlot(lambda: SimpleNamespace(engine=_RecordingEngine(log, True)))
+    slot.build_now()
+    slot.sleep()
+    assert slot.asleep and log == ["build", "sleep"]

@@ -3,16 +3,17 @@
 The step loop calls, per step, :meth:`Placement.rollout_and_score` (returns the sample groups
 this rank trains on) and, after training, :meth:`Placement.sync`. Which engines live when:
 
-- ``colocate``: the rollout engine lives on every rank; with a GenRM reward it is shut down
-  while the judge engine runs and rebuilt before the weight push (CPU has no vLLM sleep mode;
-  on GPU the same points would be ``sleep``/``wake_up``).
-- ``partial_colocate``: at the start of each rollout phase samplers build the rollout engine
-  (and get the current weights) while GenRM ranks build the judge; both are shut down before
+- ``colocate``: with a GenRM reward the rollout engine is released while the judge runs, the
+  judge is released before training, and the rollout engine comes back for the weight push.
+- ``partial_colocate``: at the start of each rollout phase samplers wake the rollout engine
+  (and get the current weights) while GenRM ranks wake the judge; both are released before
   training, which owns all ranks.
 - ``disaggregated``: samplers keep the rollout engine and GenRM ranks the judge for the run.
 
-Engine construction and shutdown are collective (see :mod:`yatt.rollout.vllm_engine`), so
-every rank builds or shuts down *some* engine at the same points.
+"Release" and "wake" are :class:`~yatt.placement.slots.EngineSlot` calls: vLLM sleep mode on
+GPU (then every rank builds all the engines it may need once, at start: building is
+collective), engine teardown and rebuild on CPU, at the same points on every rank. On GPU the
+rollout engine also sleeps while its rank trains.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 from yatt.placement.plan import Roles, plan_roles, route
 from yatt.placement.search import SplitSearch
+from yatt.placement.slots import EngineSlot
 from yatt.placement.stream import StreamReceiver, StreamSender
 
 
@@ -64,7 +66,7 @@ class Placement:
         ValueError: a split mode without a GenRM reward, or a bad ``genrm_ranks``.
     """
 
-    def __init__(self, cfg, rank: int, world: int, build_rollout, scorer, decode) -> None:
+    def __init__(self, cfg, rank: int, world: int, build_rollout, scorer, decode, gpu: bool | None = None) -> None:
         p = cfg.placement
         if p.mode != "colocate" and not scorer.uses_genrm:
             raise ValueError(f"placement.mode={p.mode} needs a GenRM reward (reward.type is {cfg.reward.type!r})")
@@ -72,8 +74,14 @@ class Placement:
         self.build_rollout, self.scorer, self.decode = build_rollout, scorer, decode
         self.search = SplitSearch(1, world - 1, repeats=p.auto_repeats) if p.genrm_ranks == "auto" else None
         self.roles = plan_roles(p.mode, world, self.search.next() if self.search else p.genrm_ranks)
-        self.engine = None  # this rank's rollout engine
-        self.judge = None  # this rank's GenRMJudge (holds the judge engine)
+        if gpu is None:
+            import torch
+
+            gpu = torch.cuda.is_available()
+        self.gpu = gpu  # engines sleep instead of being torn down
+        self.rollout = EngineSlot(build_rollout)  # this rank's policy engine
+        judge_seed = cfg.seed * 7919 + rank
+        self.judge = EngineSlot(lambda: scorer.make_judge(seed=judge_seed))  # GenRMJudge + its engine
         self.train_group = None  # None: Megatron's data-parallel group (every rank trains)
         if p.mode == "disaggregated":
             import torch.distributed as dist
@@ -91,17 +99,24 @@ class Placement:
         return self.roles.samplers if self.roles.mode == "disaggregated" else tuple(range(self.world))
 
     def start(self) -> None:
-        """Build the engines that live across steps (collective)."""
-        if self.roles.mode == "colocate":
-            self.engine = self.build_rollout()
-        elif self.roles.mode == "disaggregated":
-            self._build_split_engines(seed=self.cfg.seed)
+        """Build the engines this rank needs at the start (collective)."""
+        mode, uses_genrm = self.roles.mode, self.scorer.uses_genrm
+        if mode == "disaggregated":  # one engine per rank, for the whole run
+            (self.rollout if self.rank in self.roles.samplers else self.judge).build_now()
+            return
+        if self.gpu:  # every engine this rank may need, once; slept until its phase
+            self.rollout.build_now()
+            if uses_genrm:
+                self.judge.build_now()
+                self.judge.sleep()
+            if mode == "partial_colocate":
+                self.rollout.sleep()
+        elif mode == "colocate":
+            self.rollout.build_now()
 
     def close(self) -> None:
-        for engine in (self.engine, self.judge.engine if self.judge else None):
-            if engine is not None:
-                engine.shutdown()
-        self.engine = self.judge = None
+        self.rollout.close()
+        self.judge.close()
 
     # ------------------------------------------------------------------ the rollout + GenRM phase
     def rollout_and_score(self, rows: list, spec, actor, timer) -> tuple[list[SampleGroup], dict]:
@@ -117,34 +132,40 @@ class Placement:
         """
         gids = [self.rank * len(rows) + i for i in range(len(rows))]
         if not self.roles.split:
-            return self._colocated(rows, gids, spec, timer), {"idle_s": (0.0, 1.0)}
+            groups = self._colocated(rows, gids, spec, timer)
+            if self.gpu:
+                with timer("engines"):
+                    self.rollout.sleep()
+            return groups, {"idle_s": (0.0, 1.0)}
         if self.roles.mode == "partial_colocate":
-            with timer("engines"):
-                self._build_split_engines(seed=spec.seed)
+            with timer("engines"):  # CPU: samplers build the policy engine while GenRM ranks build the judge
+                (self.rollout if self.rank in self.roles.samplers else self.judge).wake()
             with timer("sync"):  # every rank trains here, so every rank has the new weights
                 self._push(actor)
         with timer("rollout_genrm"):
             groups, sums = self._streamed(rows, gids, spec, timer)
-        if self.roles.mode == "partial_colocate":  # training owns every rank
-            with timer("engines"):
-                self.close()
+        with timer("engines"):  # training owns the memory
+            if self.roles.mode == "partial_colocate":
+                self.rollout.sleep()
+                self.judge.sleep()
+            elif self.gpu and self.trains:
+                self.rollout.sleep()
         return sorted(groups, key=lambda g: g.gid), sums
 
     def _colocated(self, rows, gids, spec, timer) -> list[SampleGroup]:
         with timer("rollout"):
-            completions = self.engine.generate([r.prompt_ids for r in rows], spec)
+            completions = self.rollout.wake().generate([r.prompt_ids for r in rows], spec)
         groups = [SampleGroup(gid, self.rank, self.rank, row, comps, [self.decode(c.token_ids) for c in comps])
                   for gid, row, comps in zip(gids, rows, completions)]
         if self.scorer.uses_genrm:  # the rollout engine gives its memory to the judge
             with timer("engines"):
-                self.engine.shutdown()
-                self.engine = None
-                self.judge = self.scorer.make_judge(seed=spec.seed)
+                self.rollout.sleep()
+                judge = self.judge.wake()
+            judge.seed = spec.seed
             with timer("genrm"):
-                self.scorer.judge_groups(self.judge, groups)
+                self.scorer.judge_groups(judge, groups)
             with timer("engines"):
-                self.judge.engine.shutdown()
-                self.judge = None
+                self.judge.sleep()
         timer.times["time_rollout_genrm_s"] = timer.times["time_rollout_s"] + timer.times.get("time_genrm_s", 0.0)
         return groups
 
@@ -159,7 +180,7 @@ class Placement:
         if self.rank in roles.samplers:
             sender = StreamSender(inter)
             with timer("rollout"):
-                for i, comps in self.engine.generate_stream([r.prompt_ids for _, _, r in mine], spec):
+                for i, comps in self.rollout.engine.generate_stream([r.prompt_ids for _, _, r in mine], spec):
                     gid, origin, row = mine[i]
                     group = SampleGroup(gid, origin, roles.owner_of(gid, origin), row, comps,
                                         [self.decode(c.token_ids) for c in comps])
@@ -167,9 +188,11 @@ class Placement:
             idle += sender.close()
         else:
             receiver = StreamReceiver(inter, tokens_of=lambda g: g.tokens)
+            judge = self.judge.obj
+            judge.seed = spec.seed
             for batch in receiver:
                 with timer("genrm"):
-                    self.scorer.judge_groups(self.judge, batch)
+                    self.scorer.judge_groups(judge, batch)
                 receiver.scored(batch)
                 scored.extend(batch)
             q = receiver.stats
@@ -186,16 +209,14 @@ class Placement:
 
     # ------------------------------------------------------------------ weights and engines
     def sync(self, actor, timer) -> None:
-        """After training: new weights into the rollout engines that outlive the step."""
-        if self.roles.mode == "colocate":
-            if self.engine is None:
-                with timer("engines"):
-                    self.engine = self.build_rollout()
-            with timer("sync"):
-                self._push(actor)
-        elif self.roles.mode == "disaggregated" and self.trains:
-            with timer("sync"):
-                self._push(actor)
+        """After training: the new weights into the rollout engines that serve the next step
+        (partial_colocate pushes at the next phase start instead, into freshly woken engines)."""
+        if self.roles.mode == "partial_colocate" or not self.trains:
+            return
+        with timer("engines"):  # CPU colocated GenRM: rebuilt here; GPU: woken
+            self.rollout.wake()
+        with timer("sync"):
+            self._push(actor)
 
     def end_step(self, record: dict) -> None:
         """Feed the step's (globally reduced) rollout + GenRM time to the split search."""
@@ -210,29 +231,22 @@ class Placement:
     def eval_engine(self, actor):
         """A rollout engine with the current weights on ``eval_ranks`` (None elsewhere)."""
         if self.roles.mode != "partial_colocate":
-            yield self.engine
+            yield self.rollout.engine if self.rollout.obj is not None else None
             return
-        self.engine = self.build_rollout()  # collective: every rank evaluates its share
+        self.rollout.wake()  # every rank evaluates its share (CPU: a collective build)
         try:
             self._push(actor)
-            yield self.engine
+            yield self.rollout.engine
         finally:
-            self.engine.shutdown()
-            self.engine = None
+            self.rollout.sleep()
 
     def _push(self, actor) -> None:
         weights = actor.export_hf_weights()  # collective over TP: every trainer consumes it
-        if self.engine is not None:
-            self.engine.update_weights(weights)
+        if self.rollout.obj is not None and not self.rollout.asleep:
+            self.rollout.engine.update_weights(weights)
         else:
             for _ in weights:
                 pass
-
-    def _build_split_engines(self, seed: int) -> None:
-        if self.rank in self.roles.samplers:
-            self.engine = self.build_rollout()
-        else:
-            self.judge = self.scorer.make_judge(seed=seed)
 
     def intercomm(self):
         """Sampler/GenRM communicators of the current split (``MPI_Comm_split`` + intercomm)."""

@@ -268,8 +268,9 @@ class VLLMEngine:
             raise ValueError("tp > 1 needs torch.distributed initialised first")
         else:
             self.dp_rank, self.dp_size = 0, 1
-        if torch.cuda.is_available():
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization)
+        self.can_sleep = torch.cuda.is_available()  # vLLM's sleep mode exists on GPU only
+        if self.can_sleep:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
             kwargs.update(kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True)
         rng_states = _get_rng_states()
@@ -418,6 +419,23 @@ class VLLMEngine:
         llm = self._live()
         llm.collective_rpc(_reload_on_worker, args=(iter(weights),))
         llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """GPU only: release the engine's device memory (vLLM sleep level 1: weights offloaded to
+        host memory, KV cache discarded) until :meth:`wake_up`. Local to this rank.
+
+        Raises:
+            RuntimeError: on CPU, where vLLM has no sleep mode (shut down and rebuild instead).
+        """
+        if not self.can_sleep:
+            raise RuntimeError("vLLM has no sleep mode on CPU")
+        self._live().sleep(level=1)
+
+    def wake_up(self) -> None:
+        """GPU only: bring a slept engine back (weights as before the sleep, empty KV cache)."""
+        if not self.can_sleep:
+            raise RuntimeError("vLLM has no sleep mode on CPU")
+        self._live().wake_up()
 
     def shutdown(self) -> None:
         """Free the engine (KV cache, weights); idempotent, collective (see the module docstring).
