@@ -62,6 +62,8 @@ class Placement:
         build_rollout: ``() -> VLLMEngine`` of the policy (collective, see module docstring).
         scorer: :class:`~yatt.reward.scorer.StepScorer` (its ``make_judge`` builds the judge).
         decode: ``token_ids -> str`` of the policy tokenizer.
+        gpu: release engines by vLLM sleep mode (default: when CUDA is available); False: by
+            teardown and rebuild (CPU).
     Raises:
         ValueError: a split mode without a GenRM reward, or a bad ``genrm_ranks``.
     """
@@ -71,7 +73,7 @@ class Placement:
         if p.mode != "colocate" and not scorer.uses_genrm:
             raise ValueError(f"placement.mode={p.mode} needs a GenRM reward (reward.type is {cfg.reward.type!r})")
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.build_rollout, self.scorer, self.decode = build_rollout, scorer, decode
+        self.scorer, self.decode = scorer, decode
         self.search = SplitSearch(1, world - 1, repeats=p.auto_repeats) if p.genrm_ranks == "auto" else None
         self.roles = plan_roles(p.mode, world, self.search.next() if self.search else p.genrm_ranks)
         if gpu is None:
