@@ -29,7 +29,7 @@ from yatt.reward.scorer import StepScorer
 
 log = logging.getLogger("yatt")
 _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out")  # summed over ranks, not averaged
-_MAXIMA = ("idle_max_s", "genrm_queue_tokens_max", "genrm_queue_groups_max")  # max over ranks
+_MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max")  # max over ranks
 
 
 def run(cfg: Config, info: RankInfo) -> list[dict]:
@@ -98,11 +98,10 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
         idle = sums.pop("idle_s")[0] + _wait_for_peers()  # a rank with nothing left waits here
         timer.times["time_step_s"] = time.perf_counter() - t0
         sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
-        sums.update(idle_s=(idle, 1.0), idle_max_s=(idle, 1.0))
         record = {"step": step, **global_means(sums, op_max=_MAXIMA, op_sum=_COUNTERS,
                                                       max_prefixes=("time_", "mem_peak_"))}
         record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
-        record["idle_rank_s"] = _all_gather_float(idle)
+        record.update(_idle_record(idle))
         placement.end_step(record)
         writer.write(record)
         records.append(record)
@@ -159,12 +158,14 @@ def _wait_for_peers() -> float:
     return time.perf_counter() - t0
 
 
-def _all_gather_float(x: float) -> list[float]:
-    if not dist.is_initialized():
-        return [round(x, 3)]
-    out = torch.zeros(dist.get_world_size(), dtype=torch.float64)
-    dist.all_gather_into_tensor(out, torch.tensor([x], dtype=torch.float64))
-    return [round(v, 3) for v in out.tolist()]
+def _idle_record(idle: float) -> dict:
+    """``idle_s`` (mean over ranks), ``idle_max_s`` and ``idle_rank_s`` (per rank, ms rounded)."""
+    every = torch.tensor([idle], dtype=torch.float64)
+    if dist.is_initialized():
+        every = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+        dist.all_gather_into_tensor(every, torch.tensor([idle], dtype=torch.float64))
+    return {"idle_s": float(every.mean()), "idle_max_s": float(every.max()),
+            "idle_rank_s": [round(v, 3) for v in every.tolist()]}
 
 
 def _sample_sums(samples, rule: list[float]) -> dict[str, tuple[float, float]]:

@@ -157,8 +157,7 @@ class Placement:
     def _colocated(self, rows, gids, spec, timer) -> list[SampleGroup]:
         with timer("rollout"):
             completions = self.rollout.wake().generate([r.prompt_ids for r in rows], spec)
-        groups = [SampleGroup(gid, self.rank, self.rank, row, comps, [self.decode(c.token_ids) for c in comps])
-                  for gid, row, comps in zip(gids, rows, completions)]
+        groups = [self._group(gid, self.rank, self.rank, row, comps) for gid, row, comps in zip(gids, rows, completions)]
         if self.scorer.uses_genrm:  # the rollout engine gives its memory to the judge
             with timer("engines"):
                 self.rollout.sleep()
@@ -170,6 +169,9 @@ class Placement:
                 self.judge.sleep()
         timer.times["time_rollout_genrm_s"] = timer.times["time_rollout_s"] + timer.times.get("time_genrm_s", 0.0)
         return groups
+
+    def _group(self, gid: int, origin: int, owner: int, row, completions) -> SampleGroup:
+        return SampleGroup(gid, origin, owner, row, completions, [self.decode(c.token_ids) for c in completions])
 
     def _streamed(self, rows, gids, spec, timer) -> tuple[list[SampleGroup], dict]:
         roles = self.roles
@@ -184,8 +186,7 @@ class Placement:
             with timer("rollout"):
                 for i, comps in self.rollout.engine.generate_stream([r.prompt_ids for _, _, r in mine], spec):
                     gid, origin, row = mine[i]
-                    group = SampleGroup(gid, origin, roles.owner_of(gid, origin), row, comps,
-                                        [self.decode(c.token_ids) for c in comps])
+                    group = self._group(gid, origin, roles.owner_of(gid, origin), row, comps)
                     sender.send(group, group.tokens)
             idle += sender.close()
         else:
@@ -233,7 +234,7 @@ class Placement:
     def eval_engine(self, actor):
         """A rollout engine with the current weights on ``eval_ranks`` (None elsewhere)."""
         if self.roles.mode != "partial_colocate":
-            yield self.rollout.engine if self.rollout.obj is not None else None
+            yield self.rollout.engine if self.rollout.awake else None
             return
         self.rollout.wake()  # every rank evaluates its share (CPU: a collective build)
         try:
@@ -244,7 +245,7 @@ class Placement:
 
     def _push(self, actor) -> None:
         weights = actor.export_hf_weights()  # collective over TP: every trainer consumes it
-        if self.rollout.obj is not None and not self.rollout.asleep:
+        if self.rollout.awake:
             self.rollout.engine.update_weights(weights)
         else:
             for _ in weights:

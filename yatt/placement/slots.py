@@ -32,6 +32,11 @@ class EngineSlot:
         return getattr(self.obj, "engine", self.obj)
 
     @property
+    def awake(self) -> bool:
+        """An engine is built and not asleep."""
+        return self.obj is not None and not self.asleep
+
+    @property
     def sleeps(self) -> bool:
         """True when releasing keeps the engine (GPU sleep); False: teardown and rebuild (CPU)."""
         if self._can_sleep is not None:
