@@ -1,12 +1,30 @@
 // The yatt._C extension module. Thin pybind11 layer: argument checking and documentation live
-// in the C++ kernels (partition.h) and the Python wrappers (yatt/balance.py).
+// in the C++ kernels (partition.h, copy_blocks.h) and the Python wrappers (yatt/balance.py,
+// yatt/reshard/).
 // C++ std::invalid_argument surfaces as ValueError; the GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <stdexcept>
+
+#include "copy_blocks.h"
 #include "partition.h"
 
 namespace py = pybind11;
+
+namespace {
+
+using Plan = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// Checks the shape of a copy plan ([n, 6] int64); returns n.
+int64_t plan_rows(const Plan& plan) {
+  if (plan.ndim() != 2 || plan.shape(1) != yatt::kBlockFields)
+    throw std::invalid_argument("copy plan must be an int64 array of shape [n, 6]");
+  return plan.shape(0);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "YATT native kernels (C++17). Use the wrappers in yatt.balance.";
@@ -18,6 +36,24 @@ PYBIND11_MODULE(_C, m) {
   m.def("greedy_partition", &yatt::greedy_partition, py::arg("costs"), py::arg("k"),
         py::arg("equal_size") = false, nogil,
         "Greedy LPT partition of int64 costs -> k lists of indices.");
+  m.def("copy_blocks_cpu", [](const Plan& plan, int threads) {
+          const int64_t n = plan_rows(plan);
+          const int64_t* blocks = plan.data();
+          py::gil_scoped_release release;
+          yatt::plan_bytes(blocks, n);  // validates
+          yatt::copy_blocks_cpu(blocks, n, threads);
+        }, py::arg("plan"), py::arg("threads") = 0,
+        "Execute a copy plan ([n, 6] int64: src, src_stride, dst, dst_stride, rows, row_bytes) "
+        "with `threads` CPU threads (0: all cores).");
+#ifdef YATT_WITH_CUDA
+  m.def("copy_blocks_cuda", [](const Plan& plan, std::uintptr_t stream) {
+          const int64_t n = plan_rows(plan);
+          const int64_t* blocks = plan.data();
+          py::gil_scoped_release release;
+          yatt::copy_blocks_cuda(blocks, n, stream);
+        }, py::arg("plan"), py::arg("stream") = 0,
+        "Execute a copy plan of device addresses in one CUDA launch on `stream`.");
+#endif
   m.def("split_micro_batches", &yatt::split_micro_batches, py::arg("lengths"),
         py::arg("max_tokens"), nogil,
         "Fewest KK-balanced micro-batches of at most max_tokens tokens -> lists of indices.");
