@@ -108,6 +108,7 @@ class TrainerConfig(_Section):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     clip_grad: float = Field(1.0, gt=0)
+    sync_bucket_mb: float = Field(512, gt=0)  # weight sync: MiB of HF tensors resharded and pushed at a time
 
 
 class EvalConfig(_Section):

@@ -69,18 +69,21 @@ def hf_grad_norm(hf_model, micro_batches, loss_fn) -> float:
     return float(norm)
 
 
-def save_tiny_hf(path, model_type: str = "qwen2", *, vocab_size: int = 100, tied: bool = False, seed: int = 0):
+def save_tiny_hf(path, model_type: str = "qwen2", *, vocab_size: int = 100, tied: bool = False, seed: int = 0,
+                 **config):
     """Write a tiny random HF model (2 layers, 6 heads / 3 KV heads, head dim 16) to ``path``.
 
+    ``config`` overrides fields of the HF config (heads, layers, sizes).
     Every parameter gets N(0, 0.1) noise (norm weights ~1, q/k/v biases non-zero for Qwen2) so a
     swapped tensor in the mapping shows. Returns the HF model (fp32, eval).
     """
     from transformers import LlamaConfig, Qwen2Config, AutoModelForCausalLM
 
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[model_type]
-    config = cls(vocab_size=vocab_size, hidden_size=96, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=tied,
-                 max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 5e4})
+    fields = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=tied,
+                  max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 5e4})
+    config = cls(**(fields | config))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -244,7 +244,8 @@ class Placement:
             self.rollout.sleep()
 
     def _push(self, actor) -> None:
-        weights = actor.export_hf_weights()  # collective over TP: every trainer consumes it
+        bucket = int(self.cfg.trainer.sync_bucket_mb * (1 << 20))
+        weights = actor.export_hf_weights(bucket)  # collective over TP: every trainer consumes it
         if self.rollout.awake:
             self.rollout.engine.update_weights(weights)
         else:

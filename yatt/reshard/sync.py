@@ -64,7 +64,7 @@ class BucketedSync:
         module: this rank's bare Megatron ``GPTModel`` (its stage, its TP shard); parameter
             names may carry ``module.`` prefixes and stage-local layer indices.
         layout: the model's :class:`~yatt.trainer.hf_mapping.Layout`, ``layout.tp`` = trainer TP.
-        tp_group / tp_rank: the TP group of this rank (None when ``layout.tp == 1``).
+        tp_group: the TP group of this rank (None when ``layout.tp == 1``).
         pp / stage / pp_group / pp_ranks: pipeline size, this rank's stage, its PP group and the
             global rank of each stage's member of that group (index = stage); only for pp > 1.
         bucket_bytes: target bytes per bucket (default 512 MiB).
@@ -81,10 +81,10 @@ class BucketedSync:
             holds or holds it with another shape.
     """
 
-    def __init__(self, module: torch.nn.Module, layout: Layout, *, tp_group=None, tp_rank: int = 0,
+    def __init__(self, module: torch.nn.Module, layout: Layout, *, tp_group=None,
                  pp: int = 1, stage: int = 0, pp_group=None, pp_ranks: Sequence[int] = (0,),
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, i: int = 1, j: int = 0, threads: int = 0):
-        self.layout, self.tp_group, self.tp_rank = layout, tp_group, tp_rank
+        self.layout, self.tp_group = layout, tp_group
         self.stage, self.pp_group, self.pp_ranks = stage, pp_group, list(pp_ranks)
         self.i, self.j, self.threads = i, j, threads
         specs = megatron_params(layout, pp)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.trainer import megatron_cpu
-from yatt.trainer.hf_mapping import megatron_to_hf, tp_shard_dim
+from yatt.reshard import DEFAULT_BUCKET_BYTES, BucketedSync
 from yatt.trainer.model import build_gpt_model
 
 _PADDED_LOGIT = -1e30  # logit of vocab padding rows: exp() underflows to exactly 0
@@ -343,20 +343,17 @@ class MegatronPolicy:
         return stats
 
     # ---- export --------------------------------------------------------------------------
-    @torch.no_grad()
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor) for every weight, in the parameter dtype, on every rank.
 
+        Bucketed (:class:`yatt.reshard.BucketedSync`): ``bucket_bytes`` of HF tensors are
+        gathered over TP and resharded by the copy kernel at a time, so a consumer that loads
+        each tensor as it comes (``VLLMEngine.update_weights``) holds about one bucket extra.
         Collective over the TP group: all TP ranks must consume the iterator fully, in step.
         Tied embeddings give ``model.embed_tokens.weight`` only; vocab padding is stripped.
-        Tensors may share storage with the live parameters: copy them to keep a snapshot.
+        The tensors are copies (they stay valid after the next optimizer step).
         """
         from megatron.core import parallel_state
 
-        group = parallel_state.get_tensor_model_parallel_group()
-        for name, param in self.module.named_parameters():
-            shards = [param.detach()]
-            if self.tp > 1 and tp_shard_dim(name) is not None:
-                shards = [torch.empty_like(param) for _ in range(self.tp)]
-                dist.all_gather(shards, param.detach().contiguous(), group=group)
-            yield from megatron_to_hf(name, shards, self.layout)
+        group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+        return iter(BucketedSync(self.module, self.layout, tp_group=group, bucket_bytes=bucket_bytes))

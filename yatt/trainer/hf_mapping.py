@@ -205,6 +205,9 @@ def tp_shard_dim(name: str) -> int | None:
 def megatron_to_hf(name: str, shards: list[torch.Tensor], layout: Layout) -> list[tuple[str, torch.Tensor]]:
     """Full HF tensors for one Megatron parameter, given its shards from every TP rank.
 
+    Plain torch slicing and concatenation: the reference that the resharding kernels
+    (:mod:`yatt.reshard`, used by the weight sync) are tested against.
+
     Args:
         name: Megatron parameter name (as in :func:`hf_to_megatron`; a ``module.`` prefix from
             wrappers is ignored).
