@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from yatt.reshard.kernel import run_copies
+from yatt.reshard.kernel import CopyProgram
 from yatt.reshard.plan import ParamSpec, copy_blocks, megatron_params, stage_layers, target_shape
 from yatt.trainer.hf_mapping import Layout
 
@@ -92,6 +92,7 @@ class BucketedSync:
         first = next(iter(self.params.values()))
         self.dtype, self.device = first.dtype, first.device
         self.buckets = plan_buckets(specs, layout, bucket_bytes, first.element_size(), i, j)
+        self._programs: dict[int, _BucketProgram] = {}  # per bucket: shapes and offsets only
 
     def _local_params(self, module, specs, pp) -> dict[str, torch.Tensor]:
         offset = stage_layers(self.layout, pp, self.stage).start
@@ -115,50 +116,67 @@ class BucketedSync:
         return params
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in self.buckets:
-            yield from self._bucket(bucket)
+        for k in range(len(self.buckets)):
+            yield from self._bucket(k)
 
     @torch.no_grad()
-    def _bucket(self, bucket: list[ParamSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _bucket(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
+        bucket = self.buckets[k]
         shapes = [(n, target_shape(n, s, self.layout, self.i, self.j)) for spec in bucket for n, s in spec.targets]
         out = torch.empty(sum(_numel(s) for _, s in shapes), dtype=self.dtype, device=self.device)
-        views, pos = [], 0
-        for name, shape in shapes:
-            views.append((name, out[pos:pos + _numel(shape)].view(shape)))
-            pos += _numel(shape)
         owner = bucket[0].stage
         if owner == self.stage:
-            sources = self._gather(bucket)
-            jobs, k = [], 0
-            for spec, srcs in zip(bucket, sources):
-                for blocks in copy_blocks(spec, self.layout, self.i, self.j):
-                    jobs.append((srcs, views[k][1], blocks))
-                    k += 1
-            run_copies(jobs, self.threads)
-            del sources, jobs
+            program = self._programs.get(k) or self._programs.setdefault(k, self._compile(bucket))
+            program.run(out, self.params, self.threads)
         if len(self.pp_ranks) > 1:
             dist.broadcast(out, src=self.pp_ranks[owner], group=self.pp_group)
-        yield from views
+        pos = 0
+        for name, shape in shapes:
+            yield name, out[pos:pos + _numel(shape)].view(shape)
+            pos += _numel(shape)
 
-    def _gather(self, bucket: list[ParamSpec]) -> list[list[torch.Tensor]]:
-        """Source shards of every parameter of the bucket: one all-gather over TP for all of them."""
-        t = self.layout.tp
+    def _compile(self, bucket: list[ParamSpec]) -> "_BucketProgram":
+        return _BucketProgram(bucket, self.layout, self.params, self.i, self.j, self.tp_group)
+
+
+class _BucketProgram:
+    """One bucket's compiled copies (shapes only, no tensors kept): pack this rank's TP-split
+    shards into a send buffer, all-gather them, reshard from the gathered shards and the local
+    replicated parameters into the output buffer."""
+
+    def __init__(self, bucket: list[ParamSpec], layout: Layout, params: dict[str, torch.Tensor],
+                 i: int, j: int, tp_group):
+        t = layout.tp
+        self.names = [s.name for s in bucket]
+        self.tp_group, self.t = tp_group, t
         split = [s for s in bucket if s.dim is not None and t > 1]
-        gathered = {}
-        if split:
-            total = sum(s.numel for s in split)
-            send = torch.empty(total, dtype=self.dtype, device=self.device)
-            recv = torch.empty(t * total, dtype=self.dtype, device=self.device)
-            pos, jobs = 0, []
-            for s in split:
-                whole = np.array([[0, 0, s.numel, 0, s.numel, 1, s.numel]], dtype=np.int64)
-                jobs.append(([self.params[s.name].detach()], send[pos:pos + s.numel], whole))
-                pos += s.numel
-            run_copies(jobs, self.threads)
-            dist.all_gather_into_tensor(recv, send, group=self.tp_group)
-            pos = 0
-            for s in split:
-                gathered[s.name] = [recv[r * total + pos:r * total + pos + s.numel] for r in range(t)]
-                pos += s.numel
-        return [gathered.get(s.name) or [self.params[s.name].detach().reshape(-1)] for s in bucket]
+        self.split_names = [s.name for s in split]
+        self.total = sum(s.numel for s in split)  # elements one rank contributes to the gather
+        self.local_names = [s.name for s in bucket if s.name not in self.split_names]
+        # slots of the reshard: 0 = output, 1 = gathered shards, 2.. = local parameters
+        slot_of = {n: 2 + k for k, n in enumerate(self.local_names)}
+        refs, pos = {}, 0
+        for s in split:
+            refs[s.name] = [(1, r * self.total + pos) for r in range(t)]
+            pos += s.numel
+        jobs, out_pos = [], 0
+        for s in bucket:
+            src = refs.get(s.name) or [(slot_of[s.name], 0)]
+            for (name, shape), blocks in zip(s.targets, copy_blocks(s, layout, i, j)):
+                jobs.append((src, (0, out_pos), blocks))
+                out_pos += _numel(target_shape(name, shape, layout, i, j))
+        self.reshard = CopyProgram([out_pos, t * self.total, *(params[n].numel() for n in self.local_names)], jobs)
+        pos, pack = 0, []
+        for k, s in enumerate(split):
+            pack.append(([(1 + k, 0)], (0, pos), np.array([[0, 0, s.numel, 0, s.numel, 1, s.numel]])))
+            pos += s.numel
+        self.pack = CopyProgram([self.total, *(s.numel for s in split)], pack)
 
+    def run(self, out: torch.Tensor, params: dict[str, torch.Tensor], threads: int) -> None:
+        recv = out.new_empty(self.t * self.total) if self.total else out.new_empty(0)
+        if self.total:
+            send = out.new_empty(self.total)
+            self.pack.run([send, *(params[n].detach().view(-1) for n in self.split_names)], threads)
+            dist.all_gather_into_tensor(recv, send, group=self.tp_group)
+            del send
+        self.reshard.run([out, recv, *(params[n].detach().view(-1) for n in self.local_names)], threads)

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from yatt.trainer import megatron_cpu
-from yatt.reshard import DEFAULT_BUCKET_BYTES, BucketedSync
 from yatt.trainer.model import build_gpt_model
 
 _PADDED_LOGIT = -1e30  # logit of vocab padding rows: exp() underflows to exactly 0
@@ -343,7 +342,7 @@ class MegatronPolicy:
         return stats
 
     # ---- export --------------------------------------------------------------------------
-    def export_hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor) for every weight, in the parameter dtype, on every rank.
 
         Bucketed (:class:`yatt.reshard.BucketedSync`): ``bucket_bytes`` of HF tensors are
@@ -354,6 +353,8 @@ class MegatronPolicy:
         The tensors are copies (they stay valid after the next optimizer step).
         """
         from megatron.core import parallel_state
+
+        from yatt.reshard import BucketedSync  # not at module level: yatt.reshard imports yatt.trainer
 
         group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
         return iter(BucketedSync(self.module, self.layout, tp_group=group, bucket_bytes=bucket_bytes))
