@@ -58,6 +58,26 @@ def _demo_state() -> tuple[dict, dict[str, torch.Tensor]]:
     return read_hf_config(path), {n: state[n].to(torch.bfloat16) for n in state}
 
 
+def bucket_programs(layout, specs, sources: dict, i: int, device) -> list[tuple[CopyProgram, list]]:
+    """Every inference rank's tensors, bucket by bucket, as BucketedSync runs them: one compiled
+    program per bucket, with its slots (0: the bucket's bf16 output buffer on ``device``, then
+    the flattened source shards ``sources[name]``)."""
+    flat = [t for s in specs for t in sources[s.name]]
+    slot_of = {id(t): k + 1 for k, t in enumerate(flat)}
+    programs = []
+    for j in range(i):
+        for bucket in plan_buckets(specs, layout, BUCKET_BYTES, 2, i, j):
+            jobs, pos = [], 0
+            for s in bucket:
+                refs = [(slot_of[id(t)], 0) for t in sources[s.name]]
+                for (n, shape), blocks in zip(s.targets, copy_blocks(s, layout, i, j)):
+                    jobs.append((refs, (0, pos), blocks))
+                    pos += torch.Size(target_shape(n, shape, layout, i, j)).numel()
+            out = torch.zeros(pos, dtype=torch.bfloat16, device=device)
+            programs.append((CopyProgram([pos, *(t.numel() for t in flat)], jobs), [out, *flat]))
+    return programs
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()
     times = []
@@ -79,21 +99,7 @@ def bench_case(cfg: dict, hf: dict[str, torch.Tensor], t: int, i: int, repeats: 
         for s in specs:
             nbytes += 2 * sum(torch.Size(target_shape(n, shape, layout, i, j)).numel() for n, shape in s.targets)
 
-    # Every inference rank's tensors, bucket by bucket, as BucketedSync runs them: one compiled
-    # program per bucket (slot 0: the bucket's output buffer, then the source shards).
-    slots = [t for s in specs for t in sources[s.name]]
-    slot_of = {id(t): k + 1 for k, t in enumerate(slots)}
-    programs = []
-    for j in range(i):
-        for bucket in plan_buckets(specs, layout, BUCKET_BYTES, 2, i, j):
-            jobs, pos = [], 0
-            for s in bucket:
-                refs = [(slot_of[id(t)], 0) for t in sources[s.name]]
-                for (n, shape), blocks in zip(s.targets, copy_blocks(s, layout, i, j)):
-                    jobs.append((refs, (0, pos), blocks))
-                    pos += torch.Size(target_shape(n, shape, layout, i, j)).numel()
-            out = torch.zeros(pos, dtype=torch.bfloat16)
-            programs.append((CopyProgram([pos, *(t.numel() for t in slots)], jobs), [out, *slots]))
+    programs = bucket_programs(layout, specs, sources, i, "cpu")
 
     def reshard():
         for program, buffers in programs:

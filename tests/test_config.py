@@ -88,3 +88,20 @@ def test_tensor_parallel_size_must_split_the_heads(tmp_path):
                           "trainer.tp=2", f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "config key 'trainer.tp': TP=2 must divide the KV heads (3) and the MLP size (1536)" in out.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.pp=4", "config key 'trainer.pp': PP=4 must divide the number of layers (30)"),
+    ("trainer.pp=3", "config keys 'trainer.tp', 'trainer.pp': TP*PP=3 must divide the world size (1)"),
+])
+def test_pipeline_size_must_split_the_layers_and_the_world(tmp_path, override, message):
+    import subprocess
+    import sys
+
+    from yatt.assets.model import SMOLLM2, resolve_model
+
+    smol = resolve_model(SMOLLM2)  # 30 layers
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"model.path={smol}",
+                          override, f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert message in out.stderr, out.stderr[-2000:]

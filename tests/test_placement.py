@@ -49,6 +49,7 @@ def test_route_without_mpi_is_identity_on_one_rank():
     (["placement.genrm_ranks=auto"], "placement.genrm_ranks"),
     (["placement.genrm_ranks=0"], "placement.genrm_ranks"),
     (["placement.mode=disaggregated", "trainer.tp=3"], "trainer.tp"),
+    (["placement.mode=disaggregated", "trainer.pp=2"], "trainer.pp"),
     (["placement.mode=split"], "placement.mode"),
 ])
 def test_bad_placement_config_names_the_key(overrides, key):

@@ -100,6 +100,7 @@ class TrainerConfig(_Section):
     total_steps: int = Field(20, gt=0)
     prompts_per_rank: int = Field(4, gt=0)  # controller shard's prompts per step
     tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)  # pipeline stages (must divide the layers); DP = world / (tp * pp)
     micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one micro-batch
     lr: float = Field(1e-6, gt=0)
     min_lr: float = Field(0.0, ge=0)
@@ -146,6 +147,8 @@ class Config(_Section):
             raise ValueError("placement.genrm_ranks: 'auto' tunes the partial_colocate split; give a number")
         if p.mode == "disaggregated" and self.trainer.tp != 1:
             raise ValueError("trainer.tp: placement.mode=disaggregated trains with trainer.tp=1 only")
+        if p.mode == "disaggregated" and self.trainer.pp != 1:
+            raise ValueError("trainer.pp: placement.mode=disaggregated trains with trainer.pp=1 only")
         if self.trainer.lr < self.trainer.min_lr:
             raise ValueError("trainer.min_lr: must not exceed trainer.lr")
         return self

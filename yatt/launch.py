@@ -36,24 +36,34 @@ def _check_output_dir(cfg) -> None:
 
 
 def _check_model_parallel(cfg) -> None:
-    """trainer.tp must split the policy (the trainer's own mapping check), read from config.json
-    when the model is on disk; a packaged model not yet materialised is checked when it loads."""
+    """trainer.tp must split the policy's heads and MLP (the trainer's own mapping check),
+    trainer.pp its layers, and trainer.tp * trainer.pp the world. The model is read from
+    config.json when it is on disk; a packaged model not yet materialised is checked when it loads."""
     import json
 
     from yatt.assets.model import cache_root
-    from yatt.trainer.hf_mapping import layout_from_hf
+    from yatt.dist import discover
+    from yatt.trainer.hf_mapping import layout_from_hf, stage_layers
 
+    t = cfg.trainer
     folder = Path(cfg.model.path).expanduser()
     if not folder.is_dir():
         folder = cache_root() / "models" / cfg.model.path
     try:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        return
-    try:
-        layout_from_hf(hf, cfg.trainer.tp)
-    except ValueError as e:
-        raise ConfigError(f"config key 'trainer.tp': {e}") from None
+        hf = None
+    for key, check in (("tp", lambda: layout_from_hf(hf, t.tp)),
+                       ("pp", lambda: stage_layers(layout_from_hf(hf, t.tp), t.pp, 0))):
+        try:
+            if hf is not None:
+                check()
+        except ValueError as e:
+            raise ConfigError(f"config key 'trainer.{key}': {e}") from None
+    world = discover().world_size
+    if world % (t.tp * t.pp):
+        raise ConfigError(f"config keys 'trainer.tp', 'trainer.pp': TP*PP={t.tp * t.pp} must divide the "
+                          f"world size ({world})")
 
 
 def _check_placement(cfg) -> None:

@@ -59,12 +59,12 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                         adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
     dtype = getattr(torch, cfg.model.dtype)
-    init_parallel_state(t.tp)  # collective, also on ranks that never train
+    init_parallel_state(t.tp, t.pp)  # collective, also on ranks that never train
     actor = ref = None
     if placement.trains:
-        actor = MegatronPolicy(model_path, tp=t.tp, optim=optim, dtype=dtype, dp_group=placement.train_group)
-        ref = MegatronPolicy(model_path, tp=t.tp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
-    tp_group, dp_group = _groups()
+        actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group)
+        ref = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
+    mp_group, dp_group = _groups()
     dp_group = placement.train_group or dp_group
     placement.start()
     writer = MetricsWriter(cfg.output_dir, info.rank)
@@ -86,8 +86,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             sums.update(_sample_sums(samples, rule))
             if scorer.uses_genrm:
                 sums.update(scorer.genrm_sums(groups))
-            if t.tp > 1:  # the ranks of one TP group train on the same data
-                samples = _gather(samples, tp_group, t.tp)
+            if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
+                samples = _gather(samples, mp_group, t.tp * t.pp)
             mini_batches = make_mini_batches(samples, cfg.algo.mini_batches, t.micro_batch_tokens, tokenizer.pad_token_id)
             with timer("logprob"):
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
@@ -141,7 +141,7 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
 def _groups():
     from megatron.core import parallel_state as mpu
 
-    return mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
+    return mpu.get_model_parallel_group(), mpu.get_data_parallel_group()
 
 
 def _gather(samples, group, size: int):
@@ -163,7 +163,7 @@ def _idle_record(idle: float) -> dict:
     every = torch.tensor([idle], dtype=torch.float64)
     if dist.is_initialized():
         every = torch.zeros(dist.get_world_size(), dtype=torch.float64)
-        dist.all_gather_into_tensor(every, torch.tensor([idle], dtype=torch.float64))
+        dist.all_gather_single(every, torch.tensor([idle], dtype=torch.float64))
     return {"idle_s": float(every.mean()), "idle_max_s": float(every.max()),
             "idle_rank_s": [round(v, 3) for v in every.tolist()]}
 

@@ -1,9 +1,12 @@
 """Bucketed weight sync from a model-parallel trainer into TP=1 vLLM engines, ``mpirun -np 2``.
 
     mpirun -np 2 python tests/mpi/reshard_sync.py tp   # trainer TP=2, one engine per rank
+    mpirun -np 2 python tests/mpi/reshard_sync.py pp   # trainer PP=2 (2 layers per stage)
 
-Model: a small random Qwen2 (4 heads / 2 KV heads of dim 32, QKV bias, untied, vocabulary 49155, padded
-to 49156 at TP=2) with SmolLM2's tokenizer files. Checks, for two consecutive optimizer steps:
+Model: a small random Qwen2 (4 heads / 2 KV heads of dim 32, QKV bias, vocabulary 49155, padded
+to 49156 at TP=2; 4 layers; tp: untied, pp: tied embeddings, so the last stage holds a copy of
+the embedding as its output layer) with SmolLM2's tokenizer files. Checks, for two consecutive
+optimizer steps (the first step's grad norm equals HF autograd's on the same loss):
 the synced tensors are bit-equal to a plain all-gather + torch slicing export of the live
 parameters (a stale or mis-sliced bucket shows), and the engine's logprobs of fixed sequences
 equal the trainer's within SYNC_TOL and have moved since the previous step. The bucket size
@@ -22,7 +25,7 @@ SYNC_TOL = 1e-4  # as tests/mpi/sync_onpolicy.py (fp32 CPU kernels of trainer an
 BUCKET_BYTES = 256 << 10
 
 
-def _model_dir(rank: int) -> Path:
+def _model_dir(rank: int, tied: bool) -> Path:
     import torch.distributed as dist
 
     from trainer_tp import save_tiny_hf
@@ -30,7 +33,8 @@ def _model_dir(rank: int) -> Path:
 
     path = Path(tempfile.gettempdir()) / f"yatt_reshard_sync_{os.environ.get('MASTER_PORT', '0')}"
     if rank == 0:
-        save_tiny_hf(path, "qwen2", vocab_size=49155, num_attention_heads=4, num_key_value_heads=2,
+        save_tiny_hf(path, "qwen2", vocab_size=49155, tied=tied, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2,
                      hidden_size=128, intermediate_size=192, max_position_embeddings=256)  # head dim 32 (vLLM CPU)
         tok = resolve_model("smollm2-135m-instruct")
         for f in tok.iterdir():
@@ -41,34 +45,48 @@ def _model_dir(rank: int) -> Path:
 
 
 def _reference_export(actor) -> dict:
-    """Plain torch: all-gather each parameter over TP, then megatron_to_hf."""
+    """Plain torch: all-gather each parameter over TP, megatron_to_hf, then every stage's
+    tensors to every stage (all_gather_object over the pipeline)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from yatt.trainer.hf_mapping import megatron_to_hf, tp_shard_dim
+    from yatt.trainer.hf_mapping import megatron_to_hf, stage_layers, tp_shard_dim
 
     group, out = parallel_state.get_tensor_model_parallel_group(), {}
+    offset = stage_layers(actor.layout, actor.pp, actor.stage).start
     for name, p in actor.module.named_parameters():
+        if actor.pp > 1 and name == "output_layer.weight" and actor.layout.tied_embeddings:
+            continue  # the last stage's copy of the tied embedding
         shards = [p.detach().clone()]
         if actor.tp > 1 and tp_shard_dim(name) is not None:
             shards = [torch.empty_like(p) for _ in range(actor.tp)]
             dist.all_gather(shards, p.detach().contiguous(), group=group)
+        if name.startswith("decoder.layers."):
+            k, rest = name[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{int(k) + offset}.{rest}"
         out.update(megatron_to_hf(name, shards, actor.layout))
+    if actor.pp > 1:
+        stages = [None] * actor.pp
+        dist.all_gather_object(stages, out, group=parallel_state.get_pipeline_model_parallel_group())
+        out = {k: v for stage in stages for k, v in stage.items()}
     return out
 
 
 def main(mode: str) -> None:
     import torch
 
-    from trainer_tp import sum_logprob_loss
+    from transformers import AutoModelForCausalLM
+
+    from trainer_tp import GRAD_NORM_RTOL, hf_grad_norm, sum_logprob_loss
     from yatt.dist import init_distributed
     from yatt.rollout import VLLMEngine
     from yatt.trainer import MegatronPolicy, OptimConfig
 
     info = init_distributed(threads=1)
-    path = _model_dir(info.rank)
-    actor = MegatronPolicy(path, tp=2, optim=OptimConfig(lr=3e-3, total_steps=4))
+    path = _model_dir(info.rank, tied=mode == "pp")
+    sizes = {"tp": dict(tp=2), "pp": dict(pp=2)}[mode]
+    actor = MegatronPolicy(path, **sizes, optim=OptimConfig(lr=3e-3, total_steps=4))
     engine = VLLMEngine(str(path), max_model_len=128, kv_cache_memory_bytes=32 << 20, seed=info.rank)
     g = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (20, 33)]
@@ -84,8 +102,12 @@ def main(mode: str) -> None:
     err0 = engine_err()
     assert err0 < SYNC_TOL, f"engine vs trainer before any step: {err0}"
     before = engine.score(seqs)
+    want = hf_grad_norm(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mbs, sum_logprob_loss)
     for step in (1, 2):
-        actor.train_step(mbs, sum_logprob_loss)
+        stats = actor.train_step(mbs, sum_logprob_loss)
+        if step == 1:  # the model-parallel gradient (tied embedding: summed over both stages) is HF's
+            assert abs(stats["grad_norm"] - want) <= GRAD_NORM_RTOL * want, (stats["grad_norm"], want)
+            assert stats["tokens"] == sum(len(s) for s in seqs), stats
         synced = {n: t.clone() for n, t in actor.export_hf_weights(BUCKET_BYTES)}
         reference = _reference_export(actor)
         assert synced.keys() == reference.keys(), sorted(synced.keys() ^ reference.keys())
@@ -97,7 +119,7 @@ def main(mode: str) -> None:
         moved = max(abs(a - b) for x, y in zip(after, before) for a, b in zip(x, y))
         assert err < SYNC_TOL, f"step {step}: engine vs trainer after sync: {err}"
         assert moved > 1e-3, f"step {step}: engine logprobs did not move ({moved})"
-        print(f"rank {info.rank} step {step}: sync_err {err:.2e} moved {moved:.3f}", flush=True)
+        print(f"rank {info.rank} {mode} step {step}: sync_err {err:.2e} moved {moved:.3f}", flush=True)
         before = after
     engine.shutdown()
     print("reshard sync OK", flush=True)

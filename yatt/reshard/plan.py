@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from yatt.trainer.hf_mapping import Layout
+from yatt.trainer.hf_mapping import Layout, stage_layers
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 BLOCK_FIELDS = ("src_shard", "src_off", "src_stride", "dst_off", "dst_stride", "rows", "cols")
@@ -66,18 +66,6 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return int(np.prod(self.shape))
-
-
-def stage_layers(layout: Layout, pp: int, stage: int) -> range:
-    """Global indices of the decoder layers on pipeline stage ``stage`` of ``pp`` (even split).
-
-    Raises:
-        ValueError: ``pp`` does not divide the number of layers.
-    """
-    if layout.num_layers % pp:
-        raise ValueError(f"PP={pp} must divide the number of layers ({layout.num_layers})")
-    per = layout.num_layers // pp
-    return range(stage * per, (stage + 1) * per)
 
 
 def _even(tensor: str, total: int, t: int) -> tuple[tuple[Piece, ...], ...]:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from yatt.reshard.kernel import CopyProgram
-from yatt.reshard.plan import ParamSpec, copy_blocks, megatron_params, stage_layers, target_shape
-from yatt.trainer.hf_mapping import Layout
+from yatt.reshard.plan import ParamSpec, copy_blocks, megatron_params, target_shape
+from yatt.trainer.hf_mapping import Layout, stage_layers
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -177,6 +177,6 @@ class _BucketProgram:
         if self.total:
             send = out.new_empty(self.total)
             self.pack.run([send, *(params[n].detach().view(-1) for n in self.split_names)], threads)
-            dist.all_gather_into_tensor(recv, send, group=self.tp_group)
+            dist.all_gather_single(recv, send, group=self.tp_group)
             del send
         self.reshard.run([out, recv, *(params[n].detach().view(-1) for n in self.local_names)], threads)

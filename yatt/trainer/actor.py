@@ -101,21 +101,22 @@ def _select_hidden(select, module, args, kwargs):
     return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
 
 
-def init_parallel_state(tp: int) -> None:
-    """Megatron ``parallel_state`` with TP=tp, PP=1 over the world (collective: every rank
-    calls it, also ranks that never build a model); a no-op when it already has TP=tp.
+def init_parallel_state(tp: int, pp: int = 1) -> None:
+    """Megatron ``parallel_state`` with TP=tp, PP=pp over the world (collective: every rank
+    calls it, also ranks that never build a model); a no-op when it already has these sizes.
 
     Raises:
-        ValueError: it exists with another TP.
+        ValueError: it exists with another TP or PP.
     """
     from megatron.core import parallel_state
 
     megatron_cpu.apply()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tp:
-        raise ValueError(f"Megatron parallel_state already has TP="
-                         f"{parallel_state.get_tensor_model_parallel_world_size()}, asked for TP={tp}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        return
+    have = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    if have != (tp, pp):
+        raise ValueError(f"Megatron parallel_state already has TP={have[0]}, PP={have[1]}, asked for TP={tp}, PP={pp}")
 
 
 @contextlib.contextmanager
@@ -148,6 +149,14 @@ def _all_reduce_grad_buffers(model_chunks, group) -> None:
             dist.all_reduce(buffer.grad_data, group=group)
 
 
+def _last_stage() -> tuple[int, object]:
+    """(global rank of the last stage of this rank's pipeline, the pipeline group): the source
+    and group of a broadcast of the results that only the last stage computes."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_last_rank(), parallel_state.get_pipeline_model_parallel_group()
+
+
 def _shift_right(x: torch.Tensor) -> torch.Tensor:
     """[B, T] scores at the predicting position -> at the predicted token (0 at t = 0)."""
     return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
@@ -158,22 +167,26 @@ class MegatronPolicy:
 
     Args:
         hf_path: HF folder (Llama / Qwen2, safetensors).
-        tp: tensor-parallel size; DP = world / tp. Initialises Megatron ``parallel_state``
-            (TP=tp, PP=1) unless already initialised with the same TP.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size (stages of ``num_layers / pp`` layers); DP = world / (tp pp).
+            Initialises Megatron ``parallel_state`` (TP=tp, PP=pp) unless already initialised
+            with the same sizes. Every stage returns the same results (the last stage's,
+            broadcast over the pipeline).
         optim: None for a frozen model (reference policy: no grads, no optimizer).
         dtype: parameter dtype, fp32 or bf16 (bf16 trains with fp32 main params and grads).
         dp_group: process group whose ranks train together (gradients summed over it); None =
             Megatron's data-parallel group (every rank trains). A subgroup is for layouts where
-            some ranks never train (``placement.mode=disaggregated``); it needs ``tp == 1``.
+            some ranks never train (``placement.mode=disaggregated``); it needs ``tp == pp == 1``.
     Raises:
         RuntimeError: torch.distributed is not initialised (call ``yatt.dist.init_distributed``).
-        ValueError: parallel_state exists with another TP, world not divisible by tp, fp16, or
-            ``optim.warmup_steps >= optim.total_steps``, or ``dp_group`` with ``tp > 1``.
+        ValueError: parallel_state exists with another TP / PP, world not divisible by tp pp,
+            pp not dividing the layers, fp16, ``optim.warmup_steps >= optim.total_steps``, or
+            ``dp_group`` with ``tp > 1`` or ``pp > 1``.
     Side effects: installs :mod:`yatt.trainer.megatron_cpu` on CPU; sets up Megatron's RNG
     tracker (seed 1234) without disturbing the global torch RNG.
     """
 
-    def __init__(self, hf_path: str | Path, *, tp: int = 1, optim: OptimConfig | None = None,
+    def __init__(self, hf_path: str | Path, *, tp: int = 1, pp: int = 1, optim: OptimConfig | None = None,
                  dtype: torch.dtype = torch.float32, dp_group=None):
         megatron_cpu.apply()
         from megatron.core import parallel_state
@@ -183,25 +196,28 @@ class MegatronPolicy:
             raise RuntimeError("torch.distributed is not initialised: call yatt.dist.init_distributed() first")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype {dtype} not supported (fp32 or bf16)")
-        if dist.get_world_size() % tp:
-            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP={tp}")
-        if dp_group is not None and tp != 1:
-            raise ValueError("a custom dp_group needs tp=1")
-        init_parallel_state(tp)
+        if dist.get_world_size() % (tp * pp):
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP*PP={tp * pp}")
+        if dp_group is not None and tp * pp != 1:
+            raise ValueError("a custom dp_group needs tp=1 and pp=1")
+        init_parallel_state(tp, pp)
         with torch.random.fork_rng(devices=[]):
             model_parallel_cuda_manual_seed(1234)
         self.dp_group = dp_group
-        self.tp = tp
+        self.tp, self.pp = tp, pp
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.last_stage = self.stage == pp - 1
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else parallel_state.get_data_parallel_world_size()
         self.optim = optim
         self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, calculate_per_token_loss=True)
         self.config = self.model.config
-        self.module = self.model  # the bare GPTModel (this TP rank's shard), under any wrappers
+        self.module = self.model  # the bare GPTModel (this TP rank's shard of its stage), under any wrappers
         if dtype == torch.bfloat16:
             from megatron.core.transformer.module import Float16Module
 
             self.model = Float16Module(self.config, self.model)
         self.optimizer = self.scheduler = None
+        self._syncs: dict = {}  # bucket size -> BucketedSync (live parameter references, no copies)
         if optim is None:
             self.model.requires_grad_(False)
             self.model.eval()
@@ -240,16 +256,18 @@ class MegatronPolicy:
 
     # ---- forward -------------------------------------------------------------------------
     def _forward_step(self, loss_fn, data_iterator, model):
-        device = self.module.embedding.word_embeddings.weight.device
+        device = next(self.module.parameters()).device
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         ids = mb["input_ids"]
         position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         select = _scored_positions(mb)
         hook = None
-        if select is not None:  # the output layer runs on scored positions only
+        if select is not None and self.last_stage:  # the output layer runs on scored positions only
             hook = self.module.output_layer.register_forward_pre_hook(partial(_select_hidden, select), with_kwargs=True)
         try:
-            logits = model(ids, position_ids, None)  # [B, T, Vp/tp], or [1, N, Vp/tp] when selected
+            # last stage: logits [B, T, Vp/tp], or [1, N, Vp/tp] when selected; other stages:
+            # hidden states for the next stage (input_ids are read by the first stage only)
+            logits = model(ids, position_ids, None)
         finally:
             if hook is not None:
                 hook.remove()
@@ -290,7 +308,7 @@ class MegatronPolicy:
                 every other position is 0. Other keys are ignored.
         Returns:
             One (logprobs [B, T] fp32, entropy [B, T] fp32) per micro-batch, on the model's
-            device, identical on all TP ranks. For t >= 1
+            device, identical on all TP ranks and pipeline stages. For t >= 1
             ``logprobs[:, t] = log p(ids[:, t] | ids[:, :t])`` and ``entropy[:, t]`` is the
             entropy of that predictive distribution; both are 0 at t = 0.
         """
@@ -306,7 +324,14 @@ class MegatronPolicy:
                 out = self._run(micro_batches, keep, forward_only=True)
         finally:
             self.model.train(training)
-        return [(o["logprobs"], o["entropy"]) for o in out]
+        if self.pp == 1:
+            return [(o["logprobs"], o["entropy"]) for o in out]
+        shapes = [mb["input_ids"].shape for mb in micro_batches]
+        flat = (torch.cat([t.reshape(-1).float() for o in out for t in (o["logprobs"], o["entropy"])])
+                if self.last_stage else torch.empty(2 * sum(s.numel() for s in shapes)))
+        dist.broadcast(flat, *_last_stage())
+        parts = iter(flat.split([s.numel() for s in shapes for _ in range(2)]))
+        return [(next(parts).view(s), next(parts).view(s)) for s in shapes]
 
     # ---- training ------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
@@ -337,8 +362,16 @@ class MegatronPolicy:
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         stats = {"grad_norm": float(grad_norm), "lr": float(lr)}
-        for name in out[0] if out else ():
-            stats[name] = float(sum(o[name].detach().float() for o in out))
+        names = sorted(out[0]) if out else []
+        if self.pp > 1:  # the loss stats exist on the last stage only
+            names = [names]
+            dist.broadcast_object_list(names, *_last_stage())
+            names = names[0]
+        sums = torch.tensor([float(sum(o[n].detach().float() for o in out)) if out else 0.0 for n in names],
+                            dtype=torch.float64)
+        if self.pp > 1:
+            dist.broadcast(sums, *_last_stage())
+        stats.update(zip(names, sums.tolist()))
         return stats
 
     # ---- export --------------------------------------------------------------------------
@@ -356,5 +389,11 @@ class MegatronPolicy:
 
         from yatt.reshard import BucketedSync  # not at module level: yatt.reshard imports yatt.trainer
 
-        group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
-        return iter(BucketedSync(self.module, self.layout, tp_group=group, bucket_bytes=bucket_bytes))
+        if bucket_bytes not in self._syncs:  # compiled copy programs (shapes only) are reused
+            tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None
+            pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else [dist.get_rank()]
+            self._syncs[bucket_bytes] = BucketedSync(self.module, self.layout, tp_group=tp_group, pp=self.pp,
+                                                     stage=self.stage, pp_group=pp_group, pp_ranks=pp_ranks,
+                                                     bucket_bytes=bucket_bytes)
+        return iter(self._syncs[bucket_bytes])

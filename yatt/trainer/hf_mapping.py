@@ -98,16 +98,34 @@ def layout_from_hf(hf: Mapping, tp: int = 1) -> Layout:
     return layout
 
 
-def transformer_config(hf: Mapping, *, tp: int = 1, dtype: torch.dtype = torch.float32, **overrides):
+def stage_layers(layout: Layout, pp: int, stage: int) -> range:
+    """Global indices of the decoder layers on pipeline stage ``stage`` of ``pp`` (even split,
+    as Megatron-Core assigns them without a custom layout).
+
+    Raises:
+        ValueError: ``pp`` does not divide the number of layers.
+    """
+    if layout.num_layers % pp:
+        raise ValueError(f"PP={pp} must divide the number of layers ({layout.num_layers})")
+    per = layout.num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def transformer_config(hf: Mapping, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32, **overrides):
     """Megatron ``TransformerConfig`` equivalent to a Llama / Qwen2 ``config.json`` dict.
 
     RMSNorm, SwiGLU, GQA, no dropout, no fused kernels (CPU), CPU initialisation; Qwen2 gets
-    ``add_qkv_bias``. Rope theta and tied embeddings are GPTModel arguments: see
+    ``add_qkv_bias``. With ``pp > 1`` stages exchange activations of any micro-batch shape
+    (``variable_seq_lengths``). Rope theta and tied embeddings are GPTModel arguments: see
     :func:`gpt_model_kwargs`. ``overrides`` are passed to ``TransformerConfig``.
+
+    Raises:
+        ValueError: as :func:`layout_from_hf`, or ``pp`` does not divide the layers.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout = layout_from_hf(hf, tp)
+    stage_layers(layout, pp, 0)  # checks pp
     kwargs = dict(
         num_layers=layout.num_layers, hidden_size=layout.hidden_size,
         num_attention_heads=layout.num_heads, num_query_groups=layout.num_kv_heads,
@@ -118,7 +136,8 @@ def transformer_config(hf: Mapping, *, tp: int = 1, dtype: torch.dtype = torch.f
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, variable_seq_lengths=pp > 1,
+        moe_token_dispatcher_type="alltoall",  # no MoE; the default "allgather" rejects variable_seq_lengths
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     kwargs.update(overrides)

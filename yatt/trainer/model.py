@@ -1,7 +1,9 @@
 """Build a Megatron-Core GPTModel from a Hugging Face folder (Llama / Qwen2) and load its weights.
 
 Megatron's ``parallel_state`` must be initialised first: the model is built for this process's
-TP rank (pipeline size 1). Layers use the local spec (``get_gpt_layer_local_spec``, no
+TP rank and pipeline stage (stage ``s`` of ``pp`` holds layers ``stage_layers(layout, pp, s)``
+under stage-local indices, the first stage the embedding, the last the final norm and output
+layer; with tied embeddings the last stage's output layer starts as a copy of the embedding). Layers use the local spec (``get_gpt_layer_local_spec``, no
 Transformer Engine) so the model also runs on CPU (see :mod:`yatt.trainer.megatron_cpu`).
 """
 from __future__ import annotations
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from yatt.trainer.hf_mapping import Layout, gpt_model_kwargs, hf_to_megatron, layout_from_hf, transformer_config
+from yatt.trainer.hf_mapping import (Layout, gpt_model_kwargs, hf_to_megatron, layout_from_hf, stage_layers,
+                                     transformer_config)
 
 
 def read_hf_config(hf_path: str | Path) -> dict:
@@ -57,23 +60,38 @@ class SafetensorsState(Mapping):
         return len(self._files)
 
 
+def _stage_name(name: str, layout: Layout, pp: int, stage: int) -> list[str]:
+    """Names that Megatron parameter ``name`` (global layer index) has on ``stage`` (may be [])."""
+    if name.startswith("decoder.layers."):
+        k, rest = name[len("decoder.layers."):].split(".", 1)
+        layers = stage_layers(layout, pp, stage)
+        return [f"decoder.layers.{int(k) - layers.start}.{rest}"] if int(k) in layers else []
+    last = stage == pp - 1
+    if name == "embedding.word_embeddings.weight":
+        tied_copy = ["output_layer.weight"] if layout.tied_embeddings and pp > 1 and last else []
+        return (["embedding.word_embeddings.weight"] if stage == 0 else []) + tied_copy
+    return [name] if last else []
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], layout: Layout,
-                    tp_rank: int) -> None:
-    """Copy HF weights into a bare GPTModel (this TP rank's shards), casting to the param dtype.
+                    tp_rank: int, pp: int = 1, stage: int = 0) -> None:
+    """Copy HF weights into a bare GPTModel (this TP rank's shards of this pipeline stage),
+    casting to the param dtype.
 
     Raises:
         ValueError: a shape differs, or the model and the mapping disagree on parameter names.
     """
     params = dict(model.named_parameters())
     loaded = set()
-    for name, tensor in hf_to_megatron(hf_state, layout, tp_rank):
-        if name not in params:
-            raise ValueError(f"mapping produced {name!r}, which the model does not have")
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"{name}: model shape {tuple(params[name].shape)} != mapped {tuple(tensor.shape)}")
-        params[name].copy_(tensor)
-        loaded.add(name)
+    for global_name, tensor in hf_to_megatron(hf_state, layout, tp_rank):
+        for name in _stage_name(global_name, layout, pp, stage):
+            if name not in params:
+                raise ValueError(f"mapping produced {name!r}, which the model does not have")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: model shape {tuple(params[name].shape)} != mapped {tuple(tensor.shape)}")
+            params[name].copy_(tensor)
+            loaded.add(name)
     if missing := set(params) - loaded:
         raise ValueError(f"parameters not loaded from HF: {sorted(missing)}")
 
@@ -83,7 +101,7 @@ def _skip_init(weight: torch.Tensor) -> None:
 
 
 def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, **config_overrides):
-    """GPTModel for this TP rank with the HF folder's weights loaded.
+    """GPTModel for this TP rank and pipeline stage with the HF folder's weights loaded.
 
     Args:
         hf_path: HF folder with ``config.json`` and safetensors weights.
@@ -94,7 +112,8 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
         and its :class:`~yatt.trainer.hf_mapping.Layout`.
     Raises:
         RuntimeError: Megatron parallel_state is not initialised.
-        NotImplementedError / ValueError: see :func:`~yatt.trainer.hf_mapping.layout_from_hf`.
+        NotImplementedError / ValueError: see :func:`~yatt.trainer.hf_mapping.layout_from_hf`
+            and :func:`~yatt.trainer.hf_mapping.stage_layers`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -103,6 +122,8 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("initialise Megatron parallel_state (initialize_model_parallel) first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
     hf = read_hf_config(hf_path)
     layout = layout_from_hf(hf, tp)
     # Megatron 0.16.1 sets the TP attributes of parameters (tensor_model_parallel, partition_dim,
@@ -110,9 +131,11 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
     # TP>1 grad norms are wrong. So initialisation runs, with no-op init methods (fast).
     config_overrides = dict(init_method=_skip_init, output_layer_init_method=_skip_init,
                             embedding_init_method=_skip_init, **config_overrides)
-    config = transformer_config(hf, tp=tp, dtype=dtype, perform_initialization=True, **config_overrides)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), **gpt_model_kwargs(hf, tp))
+    config = transformer_config(hf, tp=tp, pp=pp, dtype=dtype, perform_initialization=True, **config_overrides)
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), **gpt_model_kwargs(hf, tp),
+                     pre_process=stage == 0, post_process=stage == pp - 1)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    load_hf_weights(model, SafetensorsState(hf_path), layout, parallel_state.get_tensor_model_parallel_rank())
+    load_hf_weights(model, SafetensorsState(hf_path), layout, parallel_state.get_tensor_model_parallel_rank(),
+                    pp, stage)
     return model, layout
