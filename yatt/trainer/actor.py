@@ -211,6 +211,7 @@ class MegatronPolicy:
         self.optim = optim
         self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, calculate_per_token_loss=True)
         self.config = self.model.config
+        self._device = next(self.model.parameters()).device
         self.module = self.model  # the bare GPTModel (this TP rank's shard of its stage), under any wrappers
         if dtype == torch.bfloat16:
             from megatron.core.transformer.module import Float16Module
@@ -256,7 +257,7 @@ class MegatronPolicy:
 
     # ---- forward -------------------------------------------------------------------------
     def _forward_step(self, loss_fn, data_iterator, model):
-        device = next(self.module.parameters()).device
+        device = self._device
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         ids = mb["input_ids"]
         position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
@@ -328,7 +329,7 @@ class MegatronPolicy:
             return [(o["logprobs"], o["entropy"]) for o in out]
         shapes = [mb["input_ids"].shape for mb in micro_batches]
         flat = (torch.cat([t.reshape(-1).float() for o in out for t in (o["logprobs"], o["entropy"])])
-                if self.last_stage else torch.empty(2 * sum(s.numel() for s in shapes)))
+                if self.last_stage else torch.empty(2 * sum(s.numel() for s in shapes), device=self._device))
         dist.broadcast(flat, *_last_stage())
         parts = iter(flat.split([s.numel() for s in shapes for _ in range(2)]))
         return [(next(parts).view(s), next(parts).view(s)) for s in shapes]
@@ -368,7 +369,7 @@ class MegatronPolicy:
             dist.broadcast_object_list(names, *_last_stage())
             names = names[0]
         sums = torch.tensor([float(sum(o[n].detach().float() for o in out)) if out else 0.0 for n in names],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=self._device)
         if self.pp > 1:
             dist.broadcast(sums, *_last_stage())
         stats.update(zip(names, sums.tolist()))
