@@ -46,48 +46,10 @@ def _model_dir(rank: int, tied: bool) -> Path:
 
 
 def _reference_export(actor) -> dict:
-    """Plain torch: all-gather each parameter over TP, megatron_to_hf, then every stage's
-    tensors to every stage (all_gather_object over the pipeline)."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    """Plain torch: all-gather each parameter over TP, megatron_to_hf, every stage to every stage."""
+    from yatt.reshard.reference import per_tensor_hf_weights
 
-    from yatt.trainer.hf_mapping import megatron_to_hf, stage_layers, tp_shard_dim
-
-    group, out = parallel_state.get_tensor_model_parallel_group(), {}
-    offset = stage_layers(actor.layout, actor.pp, actor.stage).start
-    for name, p in actor.module.named_parameters():
-        if actor.pp > 1 and name == "output_layer.weight" and actor.layout.tied_embeddings:
-            continue  # the last stage's copy of the tied embedding
-        shards = [p.detach().clone()]
-        if actor.tp > 1 and tp_shard_dim(name) is not None:
-            shards = [torch.empty_like(p) for _ in range(actor.tp)]
-            dist.all_gather(shards, p.detach().contiguous(), group=group)
-        if name.startswith("decoder.layers."):
-            k, rest = name[len("decoder.layers."):].split(".", 1)
-            name = f"decoder.layers.{int(k) + offset}.{rest}"
-        out.update(megatron_to_hf(name, shards, actor.layout))
-    if actor.pp > 1:
-        stages = [None] * actor.pp
-        dist.all_gather_object(stages, out, group=parallel_state.get_pipeline_model_parallel_group())
-        out = {k: v for stage in stages for k, v in stage.items()}
-    return out
-
-
-def _gloo_sync(actor):
-    """The trainer's BucketedSync with its MPI communicators dropped (torch.distributed only)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    from yatt.reshard import BucketedSync
-
-    pp_group = mpu.get_pipeline_model_parallel_group()
-    sync = BucketedSync(actor.module, actor.layout, tp_group=mpu.get_tensor_model_parallel_group() if actor.tp > 1 else None,
-                        pp=actor.pp, stage=actor.stage, pp_group=pp_group,
-                        pp_ranks=dist.get_process_group_ranks(pp_group), bucket_bytes=BUCKET_BYTES)
-    assert sync.tp_mpi is not None or sync.pp_mpi is not None, "expected MPI transports under mpirun"
-    sync.tp_mpi = sync.pp_mpi = None
-    return sync
+    return {n: t.clone() for n, t in per_tensor_hf_weights(actor)}
 
 
 def main(mode: str) -> None:
@@ -131,8 +93,12 @@ def main(mode: str) -> None:
         bad = [n for n in synced if not torch.equal(synced[n], reference[n])]
         assert not bad, f"step {step}: synced tensors differ from the live parameters: {bad[:5]}"
         if step == 2:  # the same through torch.distributed instead of MPI (launchers without MPI)
-            other = _gloo_sync(actor)
-            bad = [n for n, t in other if not torch.equal(t, reference[n])]
+            sync = actor._syncs[BUCKET_BYTES]
+            transports = sync.tp_mpi, sync.pp_mpi
+            assert any(c is not None for c in transports), "expected MPI transports under mpirun"
+            sync.tp_mpi = sync.pp_mpi = None
+            bad = [n for n, t in sync if not torch.equal(t, reference[n])]
+            sync.tp_mpi, sync.pp_mpi = transports
             assert not bad, f"torch.distributed transport: {bad[:5]}"
         engine.update_weights(actor.export_hf_weights(BUCKET_BYTES))
         err = engine_err()
