@@ -68,6 +68,11 @@ class ParamSpec:
         return int(np.prod(self.shape))
 
 
+def _norm(name: str, stage: int, hf_name: str, size: int) -> ParamSpec:
+    """A norm weight: replicated over TP, one HF tensor."""
+    return ParamSpec(name, stage, (size,), None, ((Piece(hf_name, 0, size),),), ((hf_name, (size,)),))
+
+
 def _even(tensor: str, total: int, t: int) -> tuple[tuple[Piece, ...], ...]:
     return tuple((Piece(tensor, r * total // t, total // t),) for r in range(t))
 
@@ -103,23 +108,17 @@ def megatron_params(layout: Layout, pp: int = 1) -> list[ParamSpec]:
         for k in stage_layers(layout, pp, s):
             mc, hf = f"decoder.layers.{k}.", f"model.layers.{k}."
             attn = hf + "self_attn."
-            norm = hf + "input_layernorm.weight"
-            specs.append(ParamSpec(mc + "input_layernorm.weight", s, (H,), None,
-                                   ((Piece(norm, 0, H),),), ((norm, (H,)),)))
+            specs.append(_norm(mc + "input_layernorm.weight", s, hf + "input_layernorm.weight", H))
             qkv_rows = (nq_d + 2 * ng_d) // t
-            qkv_targets = lambda kind, *tail: tuple(  # noqa: E731
-                (f"{attn}{p}_proj.{kind}", (n, *tail)) for p, n in (("q", nq_d), ("k", ng_d), ("v", ng_d)))
-            specs.append(ParamSpec(mc + "self_attention.linear_qkv.weight", s, (qkv_rows, H), 0,
-                                   _qkv_shards(attn, "weight", layout), qkv_targets("weight", H)))
-            if layout.qkv_bias:
-                specs.append(ParamSpec(mc + "self_attention.linear_qkv.bias", s, (qkv_rows,), 0,
-                                       _qkv_shards(attn, "bias", layout), qkv_targets("bias")))
+            for kind, tail in (("weight", (H,)), ("bias", ())) if layout.qkv_bias else (("weight", (H,)),):
+                targets = tuple((f"{attn}{p}_proj.{kind}", (n, *tail))
+                                for p, n in (("q", nq_d), ("k", ng_d), ("v", ng_d)))
+                specs.append(ParamSpec(f"{mc}self_attention.linear_qkv.{kind}", s, (qkv_rows, *tail), 0,
+                                       _qkv_shards(attn, kind, layout), targets))
             o = attn + "o_proj.weight"
             specs.append(ParamSpec(mc + "self_attention.linear_proj.weight", s, (H, nq_d // t), 1,
                                    _even(o, nq_d, t), ((o, (H, nq_d)),)))
-            norm = hf + "post_attention_layernorm.weight"
-            specs.append(ParamSpec(mc + "pre_mlp_layernorm.weight", s, (H,), None,
-                                   ((Piece(norm, 0, H),),), ((norm, (H,)),)))
+            specs.append(_norm(mc + "pre_mlp_layernorm.weight", s, hf + "post_attention_layernorm.weight", H))
             gate, up = hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"
             fc1 = tuple(g + u for g, u in zip(_even(gate, F, t), _even(up, F, t)))
             specs.append(ParamSpec(mc + "mlp.linear_fc1.weight", s, (2 * F // t, H), 0, fc1,
@@ -128,8 +127,7 @@ def megatron_params(layout: Layout, pp: int = 1) -> list[ParamSpec]:
             specs.append(ParamSpec(mc + "mlp.linear_fc2.weight", s, (H, F // t), 1,
                                    _even(down, F, t), ((down, (H, F)),)))
     last = pp - 1
-    specs.append(ParamSpec("decoder.final_layernorm.weight", last, (H,), None,
-                           ((Piece("model.norm.weight", 0, H),),), (("model.norm.weight", (H,)),)))
+    specs.append(_norm("decoder.final_layernorm.weight", last, "model.norm.weight", H))
     if not layout.tied_embeddings:
         specs.append(ParamSpec("output_layer.weight", last, (vp, H), 0,
                                _vocab_shards("lm_head.weight", layout), (("lm_head.weight", (V, H)),)))
