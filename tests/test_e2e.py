@@ -1,4 +1,5 @@
-"""The demo recipe end to end: ``mpirun -np 2 python -m yatt.launch`` for 2 steps (smaller batch)."""
+"""The demo recipe end to end: ``mpirun -np 2 python -m yatt.launch`` for 2 steps (smaller batch),
+with data parallelism and with a 2-stage pipeline; the GenRM recipe in each placement mode."""
 import json
 import math
 
@@ -11,10 +12,12 @@ REQUIRED = (
 ).split()
 
 
-def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path):
+@pytest.mark.parametrize("parallel", ["trainer.pp=1", "trainer.pp=2"])  # DP=2, or one 2-stage pipeline
+def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel):
     out = tmp_path / "run"
     mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml", "trainer.total_steps=2",
-            f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=4", "data.eval_size=24"], 2, timeout=900)
+            f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=4", "data.eval_size=24", parallel],
+           2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
