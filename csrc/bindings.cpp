@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "copy_blocks.h"
+#include "dp_balance.h"
 #include "partition.h"
 
 namespace py = pybind11;
@@ -16,6 +17,12 @@ namespace py = pybind11;
 namespace {
 
 using Plan = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
+  py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
 
 // Checks the shape of a copy plan ([n, 6] int64); returns n.
 int64_t plan_rows(const Plan& plan) {
@@ -54,6 +61,26 @@ PYBIND11_MODULE(_C, m) {
         }, py::arg("plan"), py::arg("stream") = 0,
         "Execute a copy plan of device addresses in one CUDA launch on `stream`.");
 #endif
+  m.def("dp_balance", [](const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& array,
+                         int64_t ranks, int64_t max_tokens, double cost_linear, double cost_quadratic,
+                         bool equal_count) {
+          if (array.ndim() != 1) throw std::invalid_argument("lengths must be 1-D");
+          const std::vector<int64_t> lengths(array.data(), array.data() + array.shape(0));
+          yatt::DpPlan plan;
+          {
+            py::gil_scoped_release release;
+            plan = yatt::dp_balance(lengths, ranks, max_tokens, cost_linear, cost_quadratic, equal_count);
+          }
+          py::dict out;
+          out["order"] = to_array(plan.order);
+          out["rank_offsets"] = to_array(plan.rank_offsets);
+          out["mb_offsets"] = to_array(plan.mb_offsets);
+          out["mb_rank_offsets"] = to_array(plan.mb_rank_offsets);
+          out["rank_cost"] = to_array(plan.rank_cost);
+          return out;
+        }, py::arg("lengths"), py::arg("ranks"), py::arg("max_tokens"), py::arg("cost_linear") = 1.0,
+        py::arg("cost_quadratic") = 0.0, py::arg("equal_count") = false,
+        "Fused DP balancer: lengths -> {order, rank_offsets, mb_offsets, mb_rank_offsets, rank_cost}.");
   m.def("split_micro_batches", &yatt::split_micro_batches, py::arg("lengths"),
         py::arg("max_tokens"), nogil,
         "Fewest KK-balanced micro-batches of at most max_tokens tokens -> lists of indices.");

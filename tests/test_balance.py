@@ -7,7 +7,7 @@ import random
 import pytest
 
 from yatt import _C
-from yatt.balance import imbalance, partition, split_micro_batches
+from yatt.balance import dp_balance, imbalance, partition, split_micro_batches
 
 
 # ---- references ------------------------------------------------------------------------------
@@ -271,3 +271,67 @@ def test_bad_arguments(method):
         split_micro_batches([1, 2], 0)
     with pytest.raises(ValueError, match="non-negative"):
         split_micro_batches([1, -1], 10)
+
+
+# ---------------------------------------------------------------- fused DP balancer
+def _check_plan(plan, lengths, ranks, max_tokens):
+    """Every sequence exactly once; rank and micro-batch offsets consistent; budget kept."""
+    import numpy as np
+
+    n = len(lengths)
+    assert sorted(plan.order.tolist()) == list(range(n))
+    assert plan.rank_offsets[0] == 0 and plan.rank_offsets[-1] == n and len(plan.rank_offsets) == ranks + 1
+    assert (np.diff(plan.rank_offsets) >= 0).all() and (np.diff(plan.mb_offsets) > 0).all()
+    assert plan.mb_offsets[-1] == n and plan.mb_rank_offsets[-1] == len(plan.mb_offsets) - 1
+    assert (plan.order[plan.position] == np.arange(n)).all()
+    for r in range(ranks):
+        samples = plan.rank_samples(r)
+        mbs = plan.rank_micro_batches(r)
+        assert sorted(np.concatenate(mbs).tolist() if mbs else []) == sorted(samples.tolist())
+        for mb in mbs:
+            tokens = sum(lengths[i] for i in mb)
+            assert tokens <= max_tokens or len(mb) == 1, (r, mb.tolist(), tokens)
+        assert plan.rank_cost[r] == sum(lengths[i] for i in samples)  # default cost: tokens
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dp_balance_random_long_tailed(seed):
+    rng = random.Random(seed)
+    lengths = [min(int(rng.lognormvariate(5, 1)) + 1, 4000) for _ in range(rng.randint(1, 400))]
+    ranks = rng.choice([1, 2, 3, 4, 8])
+    plan = dp_balance(lengths, ranks, 2048)
+    _check_plan(plan, lengths, ranks, 2048)
+    assert plan.imbalance <= imbalance(lengths, partition(lengths, ranks, method="greedy")) + 1e-12
+
+
+@pytest.mark.parametrize("name,lengths,ranks", [
+    ("all equal", [100] * 64, 8),
+    ("one giant", [10] * 50 + [100_000], 4),
+    ("empty rank", [7, 9], 4),
+    ("no sequences", [], 3),
+    ("zeros", [0] * 10, 3),
+])
+def test_dp_balance_adversarial(name, lengths, ranks):
+    plan = dp_balance(lengths, ranks, 256)
+    _check_plan(plan, lengths, ranks, 256)
+    if name == "all equal":
+        assert plan.imbalance == 1.0
+    if name == "empty rank":
+        assert sorted(len(plan.rank_samples(r)) for r in range(ranks)) == [0, 0, 1, 1]
+
+
+def test_dp_balance_cost_model_and_equal_count():
+    lengths = [1000, 10, 10, 10, 10, 10, 10, 1000]
+    quad = dp_balance(lengths, 2, 4096, cost=(1.0, 0.01))  # long: 1000 + 0.01 * 1000^2, short: 11
+    assert quad.rank_cost.tolist() == [11033, 11033]
+    assert [sorted(lengths[i] for i in quad.rank_samples(r)) for r in range(2)] == [[10, 10, 10, 1000]] * 2
+    lengths = [2000, 500, 500, 500, 500]
+    assert sorted(len(dp_balance(lengths, 2, 4096).rank_samples(r)) for r in range(2)) == [1, 4]
+    equal = dp_balance(lengths, 2, 4096, equal_count=True)
+    assert sorted(len(equal.rank_samples(r)) for r in range(2)) == [2, 3]
+    with pytest.raises(ValueError, match="cost coefficients"):
+        dp_balance(lengths, 2, 4096, cost=(-1.0, 0.0))
+    with pytest.raises(ValueError, match="ranks"):
+        dp_balance(lengths, 0, 4096)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        dp_balance([3, -1], 2, 4096)

@@ -20,6 +20,9 @@ parts are ordered by their smallest index, empty parts last.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 try:
     from yatt import _C
@@ -30,7 +33,7 @@ except ImportError as exc:  # no silent Python fallback: the kernels must be bui
         "`pip install --no-build-isolation -e .`"
     ) from exc
 
-__all__ = ["METHODS", "partition", "split_micro_batches", "imbalance"]
+__all__ = ["METHODS", "DpPlan", "dp_balance", "partition", "split_micro_batches", "imbalance"]
 
 METHODS = ("kk", "greedy")
 
@@ -122,3 +125,74 @@ def imbalance(costs: Sequence[int], parts: Sequence[Sequence[int]]) -> float:
     sums = [sum(costs[i] for i in p) for p in parts]
     total = sum(sums)
     return 1.0 if total == 0 else max(sums) * len(sums) / total
+
+
+@dataclass(frozen=True)
+class DpPlan:
+    """A step's layout across DP ranks and micro-batches (from :func:`dp_balance`), int64 arrays.
+
+    Attributes:
+        order: [n] sample indices in packed order: by rank, then micro-batch, ascending inside.
+        rank_offsets: [ranks + 1]; rank ``r`` holds ``order[rank_offsets[r]:rank_offsets[r + 1]]``.
+        mb_offsets: [M + 1] over all M micro-batches; micro-batch ``b`` is
+            ``order[mb_offsets[b]:mb_offsets[b + 1]]`` (never empty).
+        mb_rank_offsets: [ranks + 1]; rank ``r``'s micro-batches are
+            ``b in range(mb_rank_offsets[r], mb_rank_offsets[r + 1])``.
+        rank_cost: [ranks] cost sum per rank under the cost model.
+        position: [n] inverse of ``order``: sample ``i`` sits at ``order[position[i]]`` (unpack
+            results computed in packed order with ``packed[position]``).
+    """
+
+    order: np.ndarray
+    rank_offsets: np.ndarray
+    mb_offsets: np.ndarray
+    mb_rank_offsets: np.ndarray
+    rank_cost: np.ndarray
+    position: np.ndarray
+
+    def rank_samples(self, r: int) -> np.ndarray:
+        """Sample indices on rank ``r``, in packed order."""
+        return self.order[self.rank_offsets[r]:self.rank_offsets[r + 1]]
+
+    def rank_micro_batches(self, r: int) -> list[np.ndarray]:
+        """Rank ``r``'s micro-batches as arrays of sample indices."""
+        bounds = self.mb_offsets[self.mb_rank_offsets[r]:self.mb_rank_offsets[r + 1] + 1]
+        return [self.order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    @property
+    def imbalance(self) -> float:
+        """Max rank cost / mean rank cost (1.0 when every cost is zero)."""
+        total = int(self.rank_cost.sum())
+        return 1.0 if total == 0 else float(self.rank_cost.max()) * len(self.rank_cost) / total
+
+
+def dp_balance(lengths: Sequence[int], ranks: int, max_tokens: int, *, cost: tuple[float, float] = (1.0, 0.0),
+               equal_count: bool = False) -> DpPlan:
+    """Fused balancer (``csrc/dp_balance.cpp``): one call from all sequence lengths of a step to the
+    partition across DP ranks, the micro-batches inside each rank and the pack/unpack arrays.
+
+    Ranks: Karmarkar-Karp (see :func:`partition`) on per-sequence costs
+    ``round(a * L + b * L**2)`` with ``cost = (a, b)`` (tokens by default; ``b > 0`` models the
+    attention term of the FLOPs). Micro-batches: :func:`split_micro_batches` of each rank's
+    sequences under ``max_tokens``. Deterministic, so every rank derives the same plan from the
+    same lengths.
+
+    Args:
+        lengths: ``n`` non-negative token counts (shape ``(n,)``, int64 range): every DP rank's
+            sequences, concatenated in a fixed order.
+        ranks: DP size, ``>= 1``.
+        max_tokens: token budget per micro-batch, ``>= 1``.
+        cost: ``(a, b)``, both finite and ``>= 0``.
+        equal_count: every rank gets ``n // ranks`` sequences when ``ranks`` divides ``n`` (fixed
+            micro-batch shapes), else counts differ by at most one.
+    Returns:
+        :class:`DpPlan`.
+    Raises:
+        ValueError: a negative length or coefficient, ``ranks < 1``, ``max_tokens < 1``, a cost
+            overflowing int64, or ``lengths`` not 1-D.
+    """
+    plan = _C.dp_balance(np.asarray(lengths, dtype=np.int64), int(ranks), int(max_tokens),
+                         float(cost[0]), float(cost[1]), bool(equal_count))
+    position = np.empty_like(plan["order"])
+    position[plan["order"]] = np.arange(len(plan["order"]))
+    return DpPlan(**plan, position=position)
