@@ -30,6 +30,8 @@ struct DpPlan {
 // round(cost_linear * L + cost_quadratic * L^2) (>= 0; default tokens: 1, 0; attention FLOPs grow
 // with L^2). equal_count: every rank gets n / ranks sequences when ranks divides n (for fixed
 // micro-batch shapes), otherwise counts differ by at most one.
+// The per-rank micro-batch splits run on std::thread::hardware_concurrency() threads; the plan
+// does not depend on the thread count.
 // Throws std::invalid_argument on a negative length or cost coefficient, ranks < 1, max_tokens < 1,
 // or a cost sum overflowing int64.
 DpPlan dp_balance(const std::vector<int64_t>& lengths, int64_t ranks, int64_t max_tokens,

@@ -335,3 +335,16 @@ def test_dp_balance_cost_model_and_equal_count():
         dp_balance(lengths, 0, 4096)
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         dp_balance([3, -1], 2, 4096)
+
+
+def test_dp_balance_equals_partition_then_split():
+    """The fused call (threads over ranks) gives exactly partition() then split_micro_batches()."""
+    rng = random.Random(11)
+    lengths = long_tailed(rng, 3000)
+    plan = dp_balance(lengths, 8, 4096)
+    order, mb_offsets = [], [0]
+    for part in partition(lengths, 8):
+        for mb in split_micro_batches([lengths[i] for i in part], 4096):
+            order += [part[j] for j in mb]
+            mb_offsets.append(len(order))
+    assert plan.order.tolist() == order and plan.mb_offsets.tolist() == mb_offsets
