@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
-import statistics
 import time
 
 import numpy as np
+from timing import median_time
 
 from yatt.balance import dp_balance, imbalance, partition
 
@@ -50,15 +50,6 @@ def python_kk(costs: list[int], k: int) -> list[list[int]]:
     return parts + [[] for _ in range(k - len(parts))]
 
 
-def median_time(fn, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=1_000_000)
@@ -74,8 +65,8 @@ def main() -> None:
         ref = python_kk(lengths, k)
         t_python = time.perf_counter() - t0
         array = np.asarray(lengths, dtype=np.int64)
-        t_kernel = median_time(lambda: partition(array, k))
-        t_fused = median_time(lambda: dp_balance(array, k, args.max_tokens), repeats=1)
+        t_kernel = median_time(lambda: partition(array, k), 3, warmup=False)
+        t_fused = median_time(lambda: dp_balance(array, k, args.max_tokens), 1, warmup=False)
         imb_python, imb_kernel = imbalance(lengths, ref), imbalance(lengths, partition(array, k))
         print(f"{name:<12}{n:>9}{k:>5}{t_python:>11.4f}{t_kernel:>11.4f}{t_python / t_kernel:>10.1f}"
               f"{imb_python:>12.7f}{imb_kernel:>12.7f}{t_fused:>10.3f}", flush=True)

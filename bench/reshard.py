@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from timing import median_time
 
 from yatt.reshard import copy_blocks, megatron_params, plan_buckets, run_copies
 from yatt.reshard.kernel import CopyProgram
@@ -78,16 +78,6 @@ def bucket_programs(layout, specs, sources: dict, i: int, device) -> list[tuple[
     return programs
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_case(cfg: dict, hf: dict[str, torch.Tensor], t: int, i: int, repeats: int, threads: int) -> dict:
     layout = layout_from_hf(cfg, t)
     shards = [dict(hf_to_megatron(hf, layout, r)) for r in range(t)]
@@ -115,8 +105,8 @@ def bench_case(cfg: dict, hf: dict[str, torch.Tensor], t: int, i: int, repeats: 
     def memcpy():  # the same bytes as one contiguous block: threaded memcpy
         run_copies([([src], dst, whole)], threads)
 
-    t_reshard = _median_time(reshard, repeats)
-    t_torch, t_memcpy = _median_time(torch_copy, repeats), _median_time(memcpy, repeats)
+    t_reshard = median_time(reshard, repeats)
+    t_torch, t_memcpy = median_time(torch_copy, repeats), median_time(memcpy, repeats)
     return dict(gb=nbytes / 1e9, reshard=nbytes / t_reshard / 1e9, torch=nbytes / t_torch / 1e9,
                 memcpy=nbytes / t_memcpy / 1e9, ratio=min(t_torch, t_memcpy) / t_reshard)
 

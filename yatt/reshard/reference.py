@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from yatt.trainer.hf_mapping import megatron_to_hf, stage_layers, tp_shard_dim
+from yatt.trainer.hf_mapping import global_param_name, megatron_to_hf, tp_shard_dim
 
 
 def per_tensor_hf_weights(actor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -24,7 +24,6 @@ def per_tensor_hf_weights(actor) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    offset = stage_layers(actor.layout, actor.pp, actor.stage).start
     out = []
     for name, p in actor.module.named_parameters():
         if actor.pp > 1 and name == "output_layer.weight" and actor.layout.tied_embeddings:
@@ -33,9 +32,7 @@ def per_tensor_hf_weights(actor) -> Iterator[tuple[str, torch.Tensor]]:
         if actor.tp > 1 and tp_shard_dim(name) is not None:
             shards = [torch.empty_like(p) for _ in range(actor.tp)]
             dist.all_gather(shards, p.detach().contiguous(), group=group)
-        if name.startswith("decoder.layers."):
-            k, rest = name[len("decoder.layers."):].split(".", 1)
-            name = f"decoder.layers.{int(k) + offset}.{rest}"
+        name = global_param_name(name, actor.layout, actor.pp, actor.stage)
         if actor.pp == 1:
             yield from megatron_to_hf(name, shards, actor.layout)
         else:

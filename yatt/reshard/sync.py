@@ -25,7 +25,7 @@ import torch.distributed as dist
 from yatt.dist import mpi_comm
 from yatt.reshard.kernel import CopyProgram
 from yatt.reshard.plan import ParamSpec, copy_blocks, megatron_params, target_shape
-from yatt.trainer.hf_mapping import Layout, stage_layers
+from yatt.trainer.hf_mapping import Layout, global_param_name
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -109,15 +109,8 @@ class BucketedSync:
         self.pp_mpi = mpi_comm(self.pp_ranks) if cpu and len(self.pp_ranks) > 1 else None
 
     def _local_params(self, module, specs, pp) -> dict[str, torch.Tensor]:
-        offset = stage_layers(self.layout, pp, self.stage).start
-        local = {}
-        for name, param in module.named_parameters():
-            while name.startswith("module."):
-                name = name[len("module."):]
-            if name.startswith("decoder.layers."):
-                k, rest = name[len("decoder.layers."):].split(".", 1)
-                name = f"decoder.layers.{int(k) + offset}.{rest}"
-            local[name] = param
+        local = {global_param_name(name, self.layout, pp, self.stage): param
+                 for name, param in module.named_parameters()}
         params = {}
         for spec in specs:
             if spec.stage != self.stage:

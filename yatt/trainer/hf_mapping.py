@@ -111,6 +111,17 @@ def stage_layers(layout: Layout, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+def global_param_name(name: str, layout: Layout, pp: int, stage: int) -> str:
+    """A parameter name as a stage's module reports it (wrapper ``module.`` prefixes, stage-local
+    layer index) -> the Megatron name with the global layer index (no prefix)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    if name.startswith("decoder.layers."):
+        k, rest = name[len("decoder.layers."):].split(".", 1)
+        name = f"decoder.layers.{int(k) + stage_layers(layout, pp, stage).start}.{rest}"
+    return name
+
+
 def transformer_config(hf: Mapping, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32, **overrides):
     """Megatron ``TransformerConfig`` equivalent to a Llama / Qwen2 ``config.json`` dict.
 
