@@ -21,7 +21,7 @@ def _samples():
 
 def test_micro_batches_cover_every_sample_once_within_budget():
     samples = _samples()
-    mbs = pack_micro_batches(samples, token_budget=7, pad_id=PAD)
+    mbs = make_mini_batches(samples, 1, token_budget=7, pad_id=PAD)[0]
     seen = sorted(i for mb in mbs for i in mb["index"].tolist())
     assert seen == [0, 1, 2, 3]
     for mb in mbs:
@@ -31,7 +31,7 @@ def test_micro_batches_cover_every_sample_once_within_budget():
 
 def test_micro_batch_rows_masks_and_logprob_alignment():
     samples = _samples()
-    (mb,) = pack_micro_batches(samples, token_budget=1000, pad_id=PAD)
+    (mb,) = pack_micro_batches(samples, [[0, 1, 2, 3]], pad_id=PAD)
     for row, i in enumerate(mb["index"].tolist()):
         s = samples[i]
         p, r = len(s.prompt_ids), len(s.response_ids)

@@ -8,7 +8,7 @@ import pytest
 REQUIRED = (
     "step reward_mean accuracy kl entropy clip_frac grad_norm response_len_mean "
     "logprob_diff_rollout_vs_train time_rollout_s time_reward_s time_logprob_s time_train_s "
-    "time_sync_s time_step_s tokens_per_s"
+    "time_sync_s time_step_s tokens_per_s dp_imbalance_before dp_imbalance_after"
 ).split()
 
 
@@ -29,6 +29,7 @@ def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel
         bad = {k: r[k] for k in REQUIRED if not (isinstance(r[k], (int, float)) and math.isfinite(r[k]))}
         assert not bad, bad
         assert r["logprob_diff_rollout_vs_train"] < 1e-3 and r["grad_norm"] > 0 and r["time_step_s"] > 0
+        assert 1.0 <= r["dp_imbalance_after"] <= r["dp_imbalance_before"]  # DP balancing is on by default
     for r in evals:
         assert 0.0 <= r["eval_accuracy"] <= 1.0
     assert (out / "config.yaml").exists()

@@ -96,6 +96,17 @@ class AlgoConfig(_Section):
     mini_batches: int = Field(1, gt=0)  # optimizer steps per epoch over the rollout batch
 
 
+class BalanceConfig(_Section):
+    """DP balancing after rollout: each mini-batch's sequences are re-partitioned across the
+    data-parallel ranks by cost ``cost_linear * L + cost_quadratic * L**2`` (L = prompt + response
+    tokens; (1, 0) balances tokens, a small quadratic term models attention FLOPs)."""
+
+    enabled: bool = True
+    cost_linear: float = Field(1.0, ge=0)
+    cost_quadratic: float = Field(0.0, ge=0)
+    equal_count: bool = False  # equal sequence counts per rank (fixed micro-batch shapes)
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(20, gt=0)
     prompts_per_rank: int = Field(4, gt=0)  # controller shard's prompts per step
@@ -110,6 +121,7 @@ class TrainerConfig(_Section):
     adam_beta2: float = 0.999
     clip_grad: float = Field(1.0, gt=0)
     sync_bucket_mb: float = Field(512, gt=0)  # weight sync: MiB of HF tensors resharded and pushed at a time
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
 
 
 class EvalConfig(_Section):
@@ -149,6 +161,9 @@ class Config(_Section):
             raise ValueError("trainer.tp: placement.mode=disaggregated trains with trainer.tp=1 only")
         if p.mode == "disaggregated" and self.trainer.pp != 1:
             raise ValueError("trainer.pp: placement.mode=disaggregated trains with trainer.pp=1 only")
+        b = self.trainer.balance
+        if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
+            raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")
         if self.trainer.lr < self.trainer.min_lr:
             raise ValueError("trainer.min_lr: must not exceed trainer.lr")
         return self

@@ -19,9 +19,10 @@ from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.config import Config
-from yatt.controller.batch import make_samples
+from yatt.controller.batch import make_samples, pack_micro_batches
 from yatt.controller.evaluate import evaluate
 from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
+from yatt.controller.rebalance import DpBalancer
 from yatt.controller.shard import PromptShard
 from yatt.dist import RankInfo
 from yatt.placement.runner import Placement
@@ -66,6 +67,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
         ref = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
     mp_group, dp_group = _groups()
     dp_group = placement.train_group or dp_group
+    balancer = DpBalancer(t.balance, t.micro_batch_tokens, dp_group) if placement.trains and t.balance.enabled else None
     placement.start()
     writer = MetricsWriter(cfg.output_dir, info.rank)
     records = [_eval_record(0, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer)]
@@ -88,7 +90,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
                 sums.update(scorer.genrm_sums(groups))
             if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
                 samples = _gather(samples, mp_group, t.tp * t.pp)
-            mini_batches = make_mini_batches(samples, cfg.algo.mini_batches, t.micro_batch_tokens, tokenizer.pad_token_id)
+            with timer("balance"):
+                mini_batches = _mini_batches(samples, balancer, cfg, tokenizer.pad_token_id, sums)
             with timer("logprob"):
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
             with timer("train"):
@@ -148,6 +151,16 @@ def _gather(samples, group, size: int):
     parts = [None] * size
     dist.all_gather_object(parts, samples, group=group)
     return [s for part in parts for s in part]
+
+
+def _mini_batches(samples, balancer: DpBalancer | None, cfg: Config, pad_id: int, sums: dict) -> list[list[dict]]:
+    """This rank's micro-batches per mini-batch: after DP balancing (which adds ``dp_imbalance_before``
+    and ``dp_imbalance_after`` to ``sums``), or of its own samples when balancing is off."""
+    if balancer is None:
+        return make_mini_batches(samples, cfg.algo.mini_batches, cfg.trainer.micro_batch_tokens, pad_id)
+    bal = balancer.balance(samples, cfg.algo.mini_batches)
+    sums.update(dp_imbalance_before=(bal.imbalance_before, 1.0), dp_imbalance_after=(bal.imbalance_after, 1.0))
+    return [pack_micro_batches(bal.samples, split, pad_id) for split in bal.splits]
 
 
 def _wait_for_peers() -> float:

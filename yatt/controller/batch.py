@@ -1,8 +1,8 @@
 """A rank's rollout samples and their packing into trainer micro-batches.
 
 One :class:`Sample` is one response to one prompt. Micro-batches are right-padded
-``prompt + response`` rows whose token counts are balanced by the C++ partitioner
-(:func:`yatt.balance.split_micro_batches`).
+``prompt + response`` rows; which samples share one is decided by the C++ balancer
+(:func:`yatt.balance.split_micro_batches` or :func:`yatt.balance.dp_balance`).
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from yatt.algos.grpo import response_mask
-from yatt.balance import split_micro_batches
 
 
 @dataclass
@@ -28,18 +27,22 @@ class Sample:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-def pack_micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list[dict]:
-    """Pack samples into micro-batches of at most ``token_budget`` (unpadded) tokens each.
+def pack_micro_batches(samples: list[Sample], groups, pad_id: int) -> list[dict]:
+    """Pack samples into one micro-batch per group of indices.
 
+    Args:
+        samples: the samples the indices point into.
+        groups: index lists/arrays into ``samples``, one per micro-batch (empty ones are skipped).
+        pad_id: token id filling each row after its sequence.
     Returns:
         list of dicts with ``input_ids`` long ``[B, T]`` (pad: ``pad_id``), ``response_mask``
         float ``[B, T]``, ``rollout_logprobs`` float ``[B, T]`` (aligned with the token they
         score, 0 outside responses), ``advantages`` float ``[B, 1]`` and ``index`` long ``[B]``
         (positions in ``samples``).
     """
-    groups = split_micro_batches([s.length for s in samples], token_budget)
     out = []
     for idx in groups:
+        idx = [int(i) for i in idx]
         if not idx:
             continue
         rows = [samples[i] for i in idx]

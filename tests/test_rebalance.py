@@ -1,0 +1,45 @@
+"""DpBalancer pieces that need no peers: the packed sample buffers and the one-rank path."""
+import numpy as np
+import pytest
+
+from yatt.config import BalanceConfig
+from yatt.controller.batch import Sample
+from yatt.controller.rebalance import DpBalancer, _pack, _packed_bytes, _unpack
+
+
+def _samples():
+    return [Sample([5, 6, 7], [8, 9], [-0.5, -0.25], "stop", 1.0, 0.75),
+            Sample([1], [49151, 2, 3, 4], [-1.0, -2.0, -3.0, -4.5], "length", 0.0, -1.25),
+            Sample([3, 4], [], [], "stop", 0.5, 0.0)]
+
+
+def test_pack_round_trip_is_exact():
+    samples = _samples()
+    lens = np.array([[len(s.prompt_ids), len(s.response_ids)] for s in samples])
+    buf = _pack(samples)
+    assert buf.dtype == np.uint8 and len(buf) == _packed_bytes(lens)
+    assert _unpack(buf, lens) == samples
+    assert _unpack(_pack([]), lens[:0]) == []
+
+
+def test_unknown_finish_reason_is_rejected():
+    with pytest.raises(ValueError):
+        _pack([Sample([1], [2], [-1.0], "abort")])
+
+
+def test_one_rank_keeps_its_samples_and_splits_by_budget():
+    samples = _samples() * 3  # 9 samples, lengths 5, 5, 2 repeated
+    bal = DpBalancer(BalanceConfig(), token_budget=6).balance(samples, mini_batches=2)
+    assert bal.imbalance_before == bal.imbalance_after == 1.0
+    assert sorted((s.prompt_ids, s.response_ids) for s in bal.samples) == sorted((s.prompt_ids, s.response_ids) for s in samples)
+    flat = np.concatenate([mb for split in bal.splits for mb in split])
+    assert sorted(flat.tolist()) == list(range(len(samples)))
+    for split in bal.splits:
+        for mb in split:
+            assert sum(bal.samples[i].length for i in mb) <= 6 or len(mb) == 1
+    back = bal.to_owners([np.array(s.rollout_logprobs, np.float32) for s in bal.samples])
+    assert [b.tolist() for b in back] == [s.rollout_logprobs for s in samples]
+    with pytest.raises(ValueError, match="result of length"):
+        bal.to_owners([np.zeros(1, np.float32) for _ in bal.samples])
+    with pytest.raises(ValueError, match="cannot fill"):
+        DpBalancer(BalanceConfig(), 6).balance(samples[:1], mini_batches=2)

@@ -1,0 +1,246 @@
+"""DP balancing: one step's samples re-partitioned across data-parallel ranks by cost.
+
+After rollout every DP rank holds the samples of its own prompts. Response lengths are
+long-tailed, so without balancing every logprob and training pass waits for the rank with the
+most tokens. For each mini-batch (one optimizer step), the ranks all-gather the (prompt,
+response) lengths of its samples (small metadata, never the samples), every rank derives the
+same plan with the fused C++ balancer (:func:`yatt.balance.dp_balance`: ranks by Karmarkar-Karp
+on ``a*L + b*L**2``, micro-batches under the token budget), and the samples move between ranks as
+packed byte buffers in one all-to-all-v (``MPI_Alltoallv`` under an MPI launcher, else
+torch.distributed). Per-token results computed on the balanced layout go back to the ranks that
+own the samples with :meth:`Balanced.to_owners`, in the owners' original order.
+
+Within a mini-batch, sample ``(d, i)`` (rank ``d``'s ``i``-th sample of the chunk) has the global
+index ``sum(n_e for e < d) + i``; that fixed order makes the plan identical on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from yatt.algos.update import mini_batch_bounds
+from yatt.balance import DpPlan, dp_balance
+from yatt.config import BalanceConfig
+from yatt.controller.batch import Sample
+from yatt.dist import mpi_comm
+
+_FINISH = ("stop", "length")
+_HEADER = 3  # float64 per sample: reward, advantage, finish-reason code
+
+
+@dataclass
+class Balanced:
+    """This rank's part of a balanced step.
+
+    Attributes:
+        samples: the samples this rank trains on, mini-batch by mini-batch, micro-batch by
+            micro-batch (packed order).
+        splits: per mini-batch, its micro-batches as int64 index arrays into ``samples``.
+        imbalance_before, imbalance_after: ``sum_m max_r C[m, r] / sum_m mean_r C[m, r]`` with
+            ``C[m, r]`` rank r's cost in mini-batch m, for the rollout layout and the balanced one
+            (1.0 = no rank waits; equals max/mean over ranks with one mini-batch).
+    """
+
+    samples: list[Sample]
+    splits: list[list[np.ndarray]]
+    imbalance_before: float
+    imbalance_after: float
+    _route: _Route
+
+    def to_owners(self, values: list[np.ndarray]) -> list[np.ndarray]:
+        """Return per-response-token results to the ranks owning the samples. Collective over the group.
+
+        Args:
+            values: one float32-convertible array ``[R_j]`` per sample of :attr:`samples`
+                (``R_j`` its response length), e.g. the trainer's response logprobs.
+        Returns:
+            one float32 array ``[R_i]`` per sample this rank passed to :meth:`DpBalancer.balance`,
+            in that original order.
+        Raises:
+            ValueError: wrong number of arrays or an array of the wrong length.
+        """
+        r = self._route
+        if len(values) != len(self.samples):
+            raise ValueError(f"{len(values)} result arrays for {len(self.samples)} balanced samples")
+        for v, s in zip(values, self.samples):
+            if len(v) != len(s.response_ids):
+                raise ValueError(f"a result of length {len(v)} for a response of {len(s.response_ids)} tokens")
+        send = [_f32_bytes([values[j] for j in pos]) for pos in r.recv_pos]
+        recv = r.exchange.alltoallv(send, [4 * int(r.owned_response[idx].sum()) for idx in r.send_idx])
+        out: list[np.ndarray | None] = [None] * len(r.owned_response)
+        for idx, buf in zip(r.send_idx, recv):
+            flat = buf.view(np.float32)
+            for i, part in zip(idx, np.split(flat, np.cumsum(r.owned_response[idx])[:-1]) if len(idx) else []):
+                out[i] = part
+        return out
+
+
+@dataclass
+class _Route:
+    exchange: _Exchange
+    send_idx: list[np.ndarray]  # per peer: my original samples it receives, in its arrival order
+    recv_pos: list[np.ndarray]  # per peer: positions in Balanced.samples of what it sends me
+    owned_response: np.ndarray  # response length of each of my original samples
+
+
+class DpBalancer:
+    """Balances every step over one data-parallel group (create once; collectives over ``group``).
+
+    Args:
+        cfg: ``trainer.balance`` (cost model, equal counts).
+        token_budget: ``trainer.micro_batch_tokens``, the micro-batch budget in tokens.
+        group: the DP process group (None: the default group).
+        transport: ``"auto"`` (MPI under an MPI launcher, else torch.distributed) or ``"torch"``.
+    """
+
+    def __init__(self, cfg: BalanceConfig, token_budget: int, group=None, transport: str = "auto"):
+        self.cfg, self.token_budget = cfg, token_budget
+        self.exchange = _Exchange(group, transport)
+
+    def balance(self, samples: list[Sample], mini_batches: int) -> Balanced:
+        """Re-partition each mini-batch across the group and move the samples. Collective.
+
+        Args:
+            samples: this rank's samples (mini-batch ``m`` is the ``m``-th contiguous chunk, as in
+                :func:`yatt.algos.update.mini_batch_bounds`).
+            mini_batches: optimizer steps per epoch, the same on every rank.
+        Returns:
+            :class:`Balanced`. Every mini-batch holds at least one sample on every rank.
+        Raises:
+            ValueError: fewer samples than mini-batches on some rank.
+        """
+        ex, d_size, me = self.exchange, self.exchange.size, self.exchange.rank
+        lengths = np.array([[len(s.prompt_ids), len(s.response_ids)] for s in samples], dtype=np.int64).reshape(-1, 2)
+        every = ex.allgather(lengths)  # [n_d, 2] per rank: the only data every rank sees
+        bounds = [mini_batch_bounds(len(x), mini_batches) for x in every]
+        seq_src, seq_local, send_idx = [], [], [[] for _ in range(d_size)]
+        splits, before, after = [], [], []
+        for m in range(mini_batches):
+            owner = np.concatenate([np.full(b[m + 1] - b[m], d) for d, b in enumerate(bounds)]).astype(np.int64)
+            local = np.concatenate([np.arange(b[m], b[m + 1]) for b in bounds]).astype(np.int64)
+            lens = np.concatenate([x[b[m]:b[m + 1]].sum(axis=1) for x, b in zip(every, bounds)])
+            plan = self._plan(lens)
+            before.append(np.bincount(owner, weights=self._costs(lens), minlength=d_size))
+            after.append(plan.rank_cost.astype(np.float64))
+            for q in range(d_size):  # what each peer receives from me, in its packed order
+                g = plan.rank_samples(q)
+                send_idx[q].append(local[g[owner[g] == me]])
+            mine = plan.rank_samples(me)
+            offset = sum(len(s) for s in seq_src)
+            first = plan.rank_offsets[me]
+            cuts = plan.mb_offsets[plan.mb_rank_offsets[me]:plan.mb_rank_offsets[me + 1] + 1] - first + offset
+            splits.append([np.arange(a, b) for a, b in zip(cuts[:-1], cuts[1:])])
+            seq_src.append(owner[mine])
+            seq_local.append(local[mine])
+        src, src_local = np.concatenate(seq_src), np.concatenate(seq_local)
+        send = [np.concatenate(s) for s in send_idx]
+        recv_pos = [np.nonzero(src == p)[0] for p in range(d_size)]
+        every_lens = [every[p][src_local[pos]] for p, pos in enumerate(recv_pos)]
+        bufs = ex.alltoallv([_pack([samples[i] for i in idx]) for idx in send],
+                            [_packed_bytes(pr) for pr in every_lens])
+        balanced: list[Sample | None] = [None] * len(src)
+        for pos, buf, pr in zip(recv_pos, bufs, every_lens):
+            for j, s in zip(pos, _unpack(buf, pr)):
+                balanced[j] = s
+        route = _Route(ex, send, recv_pos, lengths[:, 1].copy())
+        return Balanced(balanced, splits, _imbalance(before), _imbalance(after), route)
+
+    def _costs(self, lens: np.ndarray) -> np.ndarray:
+        a, b = self.cfg.cost_linear, self.cfg.cost_quadratic
+        return np.rint(a * lens + b * lens.astype(np.float64) ** 2)
+
+    def _plan(self, lens: np.ndarray) -> DpPlan:
+        cost = (self.cfg.cost_linear, self.cfg.cost_quadratic)
+        plan = dp_balance(lens, self.exchange.size, self.token_budget, cost=cost, equal_count=self.cfg.equal_count)
+        if (np.diff(plan.rank_offsets) == 0).any():  # only zero-cost ties can leave a rank empty
+            plan = dp_balance(lens, self.exchange.size, self.token_budget, cost=cost, equal_count=True)
+        return plan
+
+
+def _imbalance(costs: list[np.ndarray]) -> float:
+    worst = sum(float(c.max()) for c in costs)
+    mean = sum(float(c.mean()) for c in costs)
+    return 1.0 if mean == 0 else worst / mean
+
+
+# ---- packed sample buffers --------------------------------------------------------------------
+def _packed_bytes(lens: np.ndarray) -> int:
+    """Bytes of :func:`_pack` for samples with (prompt, response) lengths ``lens`` [k, 2]."""
+    return int(8 * _HEADER * len(lens) + 4 * lens.sum() + 4 * lens[:, 1].sum())
+
+
+def _pack(samples: list[Sample]) -> np.ndarray:
+    """``[k x 3 float64 header | all token ids int32 | all rollout logprobs float32]`` as uint8."""
+    header = np.array([[s.reward, s.advantage, _FINISH.index(s.finish_reason)] for s in samples],
+                      dtype=np.float64).reshape(-1, _HEADER)
+    tokens = np.fromiter((t for s in samples for t in (*s.prompt_ids, *s.response_ids)), dtype=np.int32)
+    logprobs = np.fromiter((x for s in samples for x in s.rollout_logprobs), dtype=np.float32)
+    return np.concatenate([header.view(np.uint8).ravel(), tokens.view(np.uint8), logprobs.view(np.uint8)])
+
+
+def _unpack(buf: np.ndarray, lens: np.ndarray) -> list[Sample]:
+    """Inverse of :func:`_pack`, given the samples' (prompt, response) lengths ``lens`` [k, 2]."""
+    k = len(lens)
+    n_tok, n_resp = int(lens.sum()), int(lens[:, 1].sum())
+    header = buf[:8 * _HEADER * k].view(np.float64).reshape(k, _HEADER)
+    tokens = buf[8 * _HEADER * k:8 * _HEADER * k + 4 * n_tok].view(np.int32).tolist()
+    logprobs = buf[8 * _HEADER * k + 4 * n_tok:].view(np.float32)
+    assert len(logprobs) == n_resp, "packed buffer does not match the lengths"
+    out, t, r = [], 0, 0
+    for (p, n), (reward, adv, code) in zip(lens.tolist(), header.tolist()):
+        out.append(Sample(tokens[t:t + p], tokens[t + p:t + p + n], logprobs[r:r + n].tolist(), _FINISH[int(code)],
+                          reward, adv))
+        t, r = t + p + n, r + n
+    return out
+
+
+def _f32_bytes(arrays: list[np.ndarray]) -> np.ndarray:
+    if not arrays:
+        return np.zeros(0, dtype=np.uint8)
+    return np.concatenate([np.asarray(a, dtype=np.float32).ravel() for a in arrays]).view(np.uint8)
+
+
+# ---- transport ----------------------------------------------------------------------------------
+class _Exchange:
+    """Collectives over one process group: MPI (shared memory within a node) when the job was
+    started by an MPI launcher, else torch.distributed; a single process needs neither."""
+
+    def __init__(self, group=None, transport: str = "auto"):
+        self.group = group
+        live = dist.is_initialized()
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if live else [0]
+        self.size, self.rank = len(self.ranks), self.ranks.index(dist.get_rank()) if live else 0
+        self.comm = mpi_comm(self.ranks) if live and self.size > 1 and transport != "torch" else None
+
+    def allgather(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        if self.comm is not None:
+            return self.comm.allgather(obj)
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def alltoallv(self, send: list[np.ndarray], recv_bytes: list[int]) -> list[np.ndarray]:
+        """Send ``send[p]`` (uint8) to peer p; returns what each peer sent (``recv_bytes[p]`` bytes)."""
+        if self.size == 1:
+            return [send[0]]
+        sizes = [len(b) for b in send]
+        sbuf = np.concatenate(send) if sum(sizes) else np.zeros(1, dtype=np.uint8)
+        rbuf = np.empty(max(1, sum(recv_bytes)), dtype=np.uint8)
+        if self.comm is not None:
+            from mpi4py import MPI
+
+            self.comm.Alltoallv([sbuf, (sizes, _offsets(sizes)), MPI.BYTE],
+                                [rbuf, (list(recv_bytes), _offsets(recv_bytes)), MPI.BYTE])
+        else:
+            dist.all_to_all_single(torch.from_numpy(rbuf[:sum(recv_bytes)]), torch.from_numpy(sbuf[:sum(sizes)]),
+                                   list(recv_bytes), sizes, group=self.group)
+        return np.split(rbuf[:sum(recv_bytes)], np.cumsum(recv_bytes)[:-1])
+
+
+def _offsets(sizes) -> list[int]:
+    return [0, *np.cumsum(sizes)[:-1].tolist()]
