@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from yatt.assets.data import load_prompts
+from yatt.assets.data import PromptStream, load_prompts
 from yatt.assets.model import resolve_model
 from yatt.config import DataConfig
 from yatt.controller.shard import PromptShard
@@ -53,11 +53,21 @@ def test_bad_file_rows_are_skipped_and_counted(tokenizer, tmp_path):
     assert stats.rows == 6 and stats.kept == 2 and stats.skipped == {"missing_field": 3, "too_long": 1}
 
 
-def test_parquet_files(tokenizer, tmp_path):
-    import datasets
+def _write(path, rows):
+    """rows -> a jsonl or parquet file at ``path``."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-    datasets.Dataset.from_list([{"q": "What is 5 - 1?", "a": "4"}] * 4).to_parquet(str(tmp_path / "d.parquet"))
-    cfg = DataConfig(source="file", train_files=[str(tmp_path / "d.parquet")], question_key="q", answer_key="a")
+        pq.write_table(pa.Table.from_pylist(rows), str(path))
+    else:
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def test_parquet_files(tokenizer, tmp_path):
+    path = _write(tmp_path / "d.parquet", [{"q": "What is 5 - 1?", "a": "4"}] * 4)
+    cfg = DataConfig(source="file", train_files=[path], question_key="q", answer_key="a")
     kept, stats = load_prompts(cfg, tokenizer, "train", 1, 2)
     assert len(kept) == 2 and stats.kept == 2
 
@@ -73,6 +83,90 @@ def test_shard_epochs_cover_every_row_and_resume():
     assert resumed.next_batch() == rest
     with pytest.raises(ValueError, match="empty"):
         PromptShard([], 2, 0)
+
+
+def _epoch_zero(shard):
+    """Questions of the shard's first epoch, drawn one at a time."""
+    out = []
+    while not (batch := shard.next_batch()) or shard.epoch == 0:
+        out += [r.question for r in batch]
+    return out
+
+
+GOOD = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(40)]
+BAD = [{"question": "", "answer": "1"}, {"answer": "3"}, {"question": "What is 1 + 1?"}, {"question": "word " * 500, "answer": "5"}]
+
+
+@pytest.mark.parametrize("names", [["t.jsonl"], ["a.parquet", "b.parquet"], ["a.jsonl", "b.jsonl", "c.jsonl"]])
+def test_stream_files_rank_shards_disjoint_bad_rows_counted(tokenizer, tmp_path, names):
+    """Two ranks stream disjoint parts (whole files when they divide, else every other row) that
+    cover every good row once per epoch; bad rows are skipped and counted, epochs reshuffle."""
+    rows = GOOD + BAD
+    files = [_write(tmp_path / name, rows[i::len(names)]) for i, name in enumerate(names)]
+    cfg = DataConfig(source="file", train_files=files, max_prompt_len=64)
+    seen, skipped = [], {"missing_field": 0, "too_long": 0}
+    for rank in (0, 1):
+        stream = PromptStream(cfg, tokenizer, rank, 2, buffer_size=8)
+        shard = PromptShard(stream, batch_size=1, seed=rank)
+        seen.append(_epoch_zero(shard))
+        counted = PromptStream(cfg, tokenizer, rank, 2)
+        assert sum(counted.prepare(raw) is not None for raw in counted.rows(0, 0)) == len(seen[-1])
+        skipped = {k: v + counted.stats.skipped[k] for k, v in skipped.items()}
+        again = _epoch_zero(PromptShard(stream, batch_size=1, seed=rank + 10))
+        assert sorted(again) == sorted(seen[-1]) and again != seen[-1]  # same rows, other order
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == sorted(r["question"] for r in GOOD)
+    assert skipped == {"missing_field": 3, "too_long": 1}  # every bad row, on one rank
+
+
+def test_stream_reasoning_gym_generates_only_its_rows(tokenizer):
+    cfg = DataConfig(task="basic_arithmetic", train_size=20, seed=3)
+    idx = []
+    for rank in (0, 1):
+        stream = PromptStream(cfg, tokenizer, rank, 2)
+        rows = PromptShard(stream, batch_size=10, seed=rank).next_batch()
+        assert stream.stats.rows == 10 and tokenizer.decode(rows[0].prompt_ids).rstrip().endswith("assistant")
+        idx.append({r.entry["metadata"]["source_index"] for r in rows})
+    assert idx[0] == set(range(0, 20, 2)) and idx[1] == set(range(1, 20, 2))
+
+
+@pytest.mark.parametrize("source", ["file", "reasoning_gym"])
+def test_stream_resume_is_exact_across_epochs(tokenizer, tmp_path, source):
+    """A shard rebuilt from its state dict serves the same batches as the uninterrupted one,
+    from mid-epoch into the next epoch (13 good rows per epoch here, batches of 5)."""
+    if source == "file":
+        cfg = DataConfig(source="file", train_files=[_write(tmp_path / "t.jsonl", GOOD[:13] + BAD)], max_prompt_len=64)
+    else:
+        cfg = DataConfig(task="basic_arithmetic", train_size=13, seed=1)
+
+    def shard():
+        return PromptShard(PromptStream(cfg, tokenizer, buffer_size=4), batch_size=5, seed=7)
+
+    run = shard()
+    run.next_batch(), run.next_batch()
+    state = run.state_dict()
+    assert state["epoch"] == 0
+    expected = [[r.question for r in run.next_batch()] for _ in range(3)]
+    assert run.epoch == 1
+    resumed = shard()
+    resumed.load_state_dict(state)
+    assert [[r.question for r in resumed.next_batch()] for _ in range(3)] == expected
+    mid_next = shard()  # and from a state inside the next epoch
+    mid_next.load_state_dict(run.state_dict())
+    assert [r.question for r in mid_next.next_batch()] == [r.question for r in run.next_batch()]
+
+
+def test_stream_empty_shard_errors(tokenizer, tmp_path):
+    one = DataConfig(source="file", train_files=[_write(tmp_path / "t.jsonl", GOOD[:1])])
+    PromptShard(PromptStream(one, tokenizer, 0, 2), 2, 0)
+    with pytest.raises(ValueError, match="empty"):
+        PromptShard(PromptStream(one, tokenizer, 1, 2), 2, 0)
+    with pytest.raises(ValueError, match="empty"):
+        PromptShard(PromptStream(DataConfig(train_size=1), tokenizer, 1, 2), 2, 0)
+    bad = DataConfig(source="file", train_files=[_write(tmp_path / "bad.jsonl", BAD)], max_prompt_len=64)
+    with pytest.raises(ValueError, match="skipped"):
+        PromptShard(PromptStream(bad, tokenizer), 2, 0).next_batch()
+    with pytest.raises(ValueError, match="train_files"):
+        PromptStream(DataConfig(source="file"), tokenizer)
 
 
 @pytest.mark.parametrize("text, expected", [

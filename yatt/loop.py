@@ -127,17 +127,22 @@ def _resolve_model_once(name: str, info: RankInfo):
 
 
 def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ...]):
-    """This rank's train shard (every rank draws prompts) and eval shard (over ``eval_ranks``)."""
-    train, tstats = load_prompts(cfg.data, tokenizer, "train", info.rank, info.world_size)
+    """This rank's train stream (every rank draws prompts; read lazily, never materialised) and
+    eval rows (a small held-out list, over ``eval_ranks``). Train rows are validated as they are
+    drawn, so there are no train totals up front: skips are warned about and counted in
+    ``stream.stats`` as they happen."""
+    from yatt.assets.data import LoadStats, PromptStream
+
+    train = PromptStream(cfg.data, tokenizer, info.rank, info.world_size)
     if info.rank in eval_ranks:
         evals, estats = load_prompts(cfg.data, tokenizer, "eval", eval_ranks.index(info.rank), len(eval_ranks))
     else:
-        evals, estats = [], type(tstats)()
-    counts = {f"{split}_{k}": (float(v), 1.0) for split, st in (("train", tstats), ("eval", estats))
-              for k, v in {"rows": st.rows, "kept": st.kept, **{f"skipped_{r}": n for r, n in st.skipped.items()}}.items()}
+        evals, estats = [], LoadStats()
+    counts = {f"eval_{k}": (float(v), 1.0) for k, v in
+              {"rows": estats.rows, "kept": estats.kept, **{f"skipped_{r}": n for r, n in estats.skipped.items()}}.items()}
     totals = {k: round(v * info.world_size) for k, v in global_means(counts).items()}
     if info.rank == 0:
-        log.info("data: %s", totals)
+        log.info("data: train streamed per rank (%s); %s", cfg.data.source, totals)
     return train, evals
 
 
