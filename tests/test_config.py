@@ -19,6 +19,8 @@ def test_recipe_loads_and_overrides_apply(tmp_path):
     ("rollout.top_p=1.5", "config key 'rollout.top_p'"),
     ("algo.kl_estimator=k4", "config key 'algo.kl_estimator'"),
     ("data.source=file", "data.train_files: required"),
+    ("trainer.balance.cost_linear=0", "trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0"),
+    ("trainer.balance.cost_quadratic=-1", "config key 'trainer.balance.cost_quadratic'"),
 ])
 def test_bad_key_or_type_names_the_key(override, expected):
     with pytest.raises(ConfigError) as e:
@@ -105,3 +107,13 @@ def test_pipeline_size_must_split_the_layers_and_the_world(tmp_path, override, m
                           override, f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert message in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["algo.dynamic_sampling=true", "rollout.n=1"], "algo.dynamic_sampling: needs rollout.n >= 2"),
+    (["algo.dynamic_sampling=true", "trainer.balance.enabled=false"], "needs trainer.balance.enabled"),
+])
+def test_dynamic_sampling_needs_groups_and_balancing(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(RECIPE, overrides)
+    assert load_config(RECIPE, ["algo.dynamic_sampling=true"]).algo.max_sampling_rounds == 2

@@ -12,11 +12,13 @@ REQUIRED = (
 ).split()
 
 
-@pytest.mark.parametrize("parallel", ["trainer.pp=1", "trainer.pp=2"])  # DP=2, or one 2-stage pipeline
+# DP=2; one 2-stage pipeline; DP=2 with DAPO dynamic sampling (one extra round at most)
+@pytest.mark.parametrize("parallel", ["trainer.pp=1", "trainer.pp=2", "algo.dynamic_sampling=true"])
 def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel):
     out = tmp_path / "run"
     mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml", "trainer.total_steps=2",
-            f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=4", "data.eval_size=24", parallel],
+            f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=4", "data.eval_size=24", parallel,
+            "algo.max_sampling_rounds=1"],
            2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
@@ -30,6 +32,10 @@ def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel
         assert not bad, bad
         assert r["logprob_diff_rollout_vs_train"] < 1e-3 and r["grad_norm"] > 0 and r["time_step_s"] > 0
         assert 1.0 <= r["dp_imbalance_after"] <= r["dp_imbalance_before"]  # DP balancing is on by default
+        if "dynamic" in parallel:  # 2 ranks x 2 prompts: kept + dropped + trimmed = groups drawn
+            drawn = 4 * (1 + r["dynamic_sampling_rounds"])
+            trained = drawn - r["dynamic_sampling_groups_dropped"] - r["dynamic_sampling_groups_trimmed"]
+            assert r["dynamic_sampling_rounds"] <= 1 and (trained == 4 or r["dynamic_sampling_cap_hit"] == 1)
     for r in evals:
         assert 0.0 <= r["eval_accuracy"] <= 1.0
     assert (out / "config.yaml").exists()

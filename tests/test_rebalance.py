@@ -4,7 +4,7 @@ import pytest
 
 from yatt.config import BalanceConfig
 from yatt.controller.batch import Sample
-from yatt.controller.rebalance import DpBalancer, _pack, _packed_bytes, _unpack
+from yatt.controller.rebalance import DpBalancer, _fillable, _pack, _packed_bytes, _unpack
 
 
 def _samples():
@@ -41,5 +41,14 @@ def test_one_rank_keeps_its_samples_and_splits_by_budget():
     assert [b.tolist() for b in back] == [s.rollout_logprobs for s in samples]
     with pytest.raises(ValueError, match="result of length"):
         bal.to_owners([np.zeros(1, np.float32) for _ in bal.samples])
-    with pytest.raises(ValueError, match="cannot fill"):
-        DpBalancer(BalanceConfig(), 6).balance(samples[:1], mini_batches=2)
+    one = DpBalancer(BalanceConfig(), 6).balance(samples[:1], mini_batches=2)
+    assert len(one.splits) == 1 and one.samples == samples[:1]
+    none = DpBalancer(BalanceConfig(), 6).balance([], mini_batches=2)
+    assert none.splits == [] and none.samples == [] and none.to_owners([]) == []
+
+
+def test_fewer_mini_batches_when_a_small_step_cannot_give_every_rank_a_sample():
+    assert _fillable(2, [4, 4, 4], 3) == 2
+    assert _fillable(2, [1, 1, 4], 3) == 1  # chunk 0 would hold 0 + 0 + 2 samples for 3 ranks
+    assert _fillable(3, [0, 0, 9], 3) == 3  # empty ranks are fine: the plan moves samples to them
+    assert _fillable(2, [0, 2, 0], 3) == 0  # fewer samples than ranks: no update this step

@@ -94,6 +94,10 @@ class AlgoConfig(_Section):
     norm_adv_by_std: bool = True
     ppo_epochs: int = Field(1, gt=0)
     mini_batches: int = Field(1, gt=0)  # optimizer steps per epoch over the rollout batch
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until
+    # the step has trainer.prompts_per_rank * world groups, at most max_sampling_rounds extra rounds.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = Field(2, ge=0)
 
 
 class BalanceConfig(_Section):
@@ -164,6 +168,11 @@ class Config(_Section):
         b = self.trainer.balance
         if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
             raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")
+        if self.algo.dynamic_sampling and self.rollout.n < 2:
+            raise ValueError("algo.dynamic_sampling: needs rollout.n >= 2 (a group of one has equal rewards)")
+        if self.algo.dynamic_sampling and not b.enabled:
+            raise ValueError("algo.dynamic_sampling: needs trainer.balance.enabled (it gives ranks left without "
+                             "informative groups a share of the batch)")
         if self.trainer.lr < self.trainer.min_lr:
             raise ValueError("trainer.min_lr: must not exceed trainer.lr")
         return self

@@ -20,6 +20,7 @@ from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.config import Config
 from yatt.controller.batch import make_samples, pack_micro_batches
+from yatt.controller.dynamic_sampling import DynamicSampler
 from yatt.controller.evaluate import evaluate
 from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
 from yatt.controller.rebalance import DpBalancer
@@ -29,7 +30,9 @@ from yatt.placement.runner import Placement
 from yatt.reward.scorer import StepScorer
 
 log = logging.getLogger("yatt")
-_COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out")  # summed over ranks, not averaged
+# summed over ranks, not averaged
+_COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
+             "dynamic_sampling_groups_trimmed", "data_rows_skipped")
 _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max")  # max over ranks
 
 
@@ -68,26 +71,40 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     mp_group, dp_group = _groups()
     dp_group = placement.train_group or dp_group
     balancer = DpBalancer(t.balance, t.micro_batch_tokens, dp_group) if placement.trains and t.balance.enabled else None
+    sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds)
+               if cfg.algo.dynamic_sampling else None)
     placement.start()
     writer = MetricsWriter(cfg.output_dir, info.rank)
     records = [_eval_record(0, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer)]
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                         top_p=cfg.rollout.top_p)
 
-    for step in tqdm(range(1, t.total_steps + 1), desc="steps", disable=info.rank != 0, dynamic_ncols=True):
-        timer, t0 = PhaseTimer(), time.perf_counter()
-        rows = shard.next_batch()
-        spec.seed = (cfg.seed * 1_000_003 + step) * 4099 + info.rank  # reproducible per step and rank
-        groups, sums = placement.rollout_and_score(rows, spec, actor, timer)
+    def sample_round(step: int, round_: int, timer: PhaseTimer, sums: dict):
+        """This rank's next prompts rolled out, judged and scored; metrics merged into ``sums``.
+        Returns (the groups this rank trains on, their rewards, one list of ``n`` per group)."""
+        spec.seed = ((cfg.seed * 1_000_003 + step) * 4099 + info.rank) + round_ * 1_000_000_007  # reproducible
+        groups, more = placement.rollout_and_score(shard.next_batch(), spec, actor, timer)
+        rewards = []
         if placement.trains:
             with timer("reward"):
                 rule = scorer.rule_scores([g.row for g in groups], [g.texts for g in groups])
-                genrm = [s for g in groups for s in g.genrm] if scorer.uses_genrm else None
-            samples = make_samples([g.row for g in groups], [g.completions for g in groups],
-                                   scorer.combine(rule, genrm), cfg.algo.norm_adv_by_std)
-            sums.update(_sample_sums(samples, rule))
+                flat = scorer.combine(rule, [s for g in groups for s in g.genrm] if scorer.uses_genrm else None)
+            more.update(_sample_sums(groups, flat, rule))
             if scorer.uses_genrm:
-                sums.update(scorer.genrm_sums(groups))
+                more.update(scorer.genrm_sums(groups))
+            rewards = [flat[i * cfg.rollout.n:(i + 1) * cfg.rollout.n] for i in range(len(groups))]
+        _merge(sums, more)
+        return groups, rewards
+
+    for step in tqdm(range(1, t.total_steps + 1), desc="steps", disable=info.rank != 0, dynamic_ncols=True):
+        timer, t0, sums = PhaseTimer(), time.perf_counter(), {}
+        groups, rewards = sample_round(step, 0, timer, sums)
+        if sampler is not None:  # DAPO: drop groups with equal rewards, sample more until the batch is full
+            groups, rewards, more = sampler.fill(groups, rewards, lambda r: sample_round(step, r, timer, sums))
+            sums.update(more)
+        if placement.trains:
+            samples = make_samples([g.row for g in groups], [g.completions for g in groups],
+                                   [x for r in rewards for x in r], cfg.algo.norm_adv_by_std)
             if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
                 samples = _gather(samples, mp_group, t.tp * t.pp)
             with timer("balance"):
@@ -97,6 +114,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             with timer("train"):
                 sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group))
             sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
+        sums["data_rows_skipped"] = (float(sum(train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
         placement.sync(actor, timer)
         idle = sums.pop("idle_s")[0] + _wait_for_peers()  # a rank with nothing left waits here
         timer.times["time_step_s"] = time.perf_counter() - t0
@@ -159,11 +177,14 @@ def _gather(samples, group, size: int):
 
 
 def _mini_batches(samples, balancer: DpBalancer | None, cfg: Config, pad_id: int, sums: dict) -> list[list[dict]]:
-    """This rank's micro-batches per mini-batch: after DP balancing (which adds ``dp_imbalance_before``
-    and ``dp_imbalance_after`` to ``sums``), or of its own samples when balancing is off."""
+    """This rank's micro-batches per mini-batch: after DP balancing (which adds ``dp_imbalance_before``,
+    ``dp_imbalance_after`` and ``update_skipped`` to ``sums``), or of its own samples when balancing is off."""
     if balancer is None:
         return make_mini_batches(samples, cfg.algo.mini_batches, cfg.trainer.micro_batch_tokens, pad_id)
     bal = balancer.balance(samples, cfg.algo.mini_batches)
+    if not bal.splits:
+        log.warning("fewer samples than DP ranks this step (dynamic sampling cap?): no update")
+    sums["update_skipped"] = (float(not bal.splits), 1.0)
     sums.update(dp_imbalance_before=(bal.imbalance_before, 1.0), dp_imbalance_after=(bal.imbalance_after, 1.0))
     return [pack_micro_batches(bal.samples, split, pad_id) for split in bal.splits]
 
@@ -186,16 +207,25 @@ def _idle_record(idle: float) -> dict:
             "idle_rank_s": [round(v, 3) for v in every.tolist()]}
 
 
-def _sample_sums(samples, rule: list[float]) -> dict[str, tuple[float, float]]:
-    n = float(len(samples))
+def _sample_sums(groups, rewards: list[float], rule: list[float]) -> dict[str, tuple[float, float]]:
+    """(sum, count) metrics of every response of ``groups`` (``rewards``/``rule``: prompt-major)."""
+    pairs = [(g.row, c) for g in groups for c in g.completions]
+    n = float(len(pairs))
     return {
-        "reward_mean": (sum(s.reward for s in samples), n),
+        "reward_mean": (sum(rewards), n),
         "reward_rule_mean": (sum(rule), n),
         "accuracy": (sum(float(r == 1.0) for r in rule), n),
-        "response_len_mean": (sum(len(s.response_ids) for s in samples), n),
-        "truncated_frac": (sum(float(s.finish_reason == "length") for s in samples), n),
-        "tokens_total": (sum(s.length for s in samples), 1.0),
+        "response_len_mean": (sum(len(c.token_ids) for _, c in pairs), n),
+        "truncated_frac": (sum(float(c.finish_reason == "length") for _, c in pairs), n),
+        "tokens_total": (sum(len(row.prompt_ids) + len(c.token_ids) for row, c in pairs), 1.0),
     }
+
+
+def _merge(sums: dict, more: dict) -> None:
+    """Add one sampling round's (sum, count) pairs into the step's (maxima: the larger)."""
+    for k, (v, c) in more.items():
+        a, b = sums.get(k, (0.0, 0.0))
+        sums[k] = (max(a, v), 1.0) if k in _MAXIMA else (a + v, b + c)
 
 
 def _eval_record(step, placement, actor, rows, reward_fn, tokenizer, cfg: Config, writer: MetricsWriter) -> dict:

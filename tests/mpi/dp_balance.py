@@ -128,6 +128,8 @@ def main() -> None:
         print(f"rank {info.rank}: grad norm {base['grad_norm']!r} vs {moved['grad_norm']!r} (rel {rel:.1e}); local tokens "
               f"{base['tokens']:.0f} vs {moved['tokens']:.0f}")
     print(f"rank {info.rank}: dp_balance OK", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()  # a gloo group torn down at interpreter exit may abort the process
 
 
 if __name__ == "__main__":

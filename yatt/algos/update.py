@@ -16,13 +16,8 @@ from yatt.controller.batch import Sample, pack_micro_batches
 
 
 def mini_batch_bounds(n: int, mini_batches: int) -> list[int]:
-    """``mini_batches + 1`` bounds cutting ``n`` samples into contiguous, near-equal chunks.
-
-    Raises:
-        ValueError: fewer samples than mini-batches.
-    """
-    if n < mini_batches:
-        raise ValueError(f"{n} samples on this rank cannot fill algo.mini_batches={mini_batches}")
+    """``mini_batches + 1`` bounds cutting ``n`` samples into contiguous, near-equal chunks (a chunk
+    is empty only when ``n < mini_batches``)."""
     return [round(i * n / mini_batches) for i in range(mini_batches + 1)]
 
 
@@ -36,6 +31,8 @@ def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: in
     Raises:
         ValueError: fewer samples than mini-batches.
     """
+    if len(samples) < mini_batches:
+        raise ValueError(f"{len(samples)} samples on this rank cannot fill algo.mini_batches={mini_batches}")
     bounds = mini_batch_bounds(len(samples), mini_batches)
     lengths = [s.length for s in samples]
     return [pack_micro_batches(samples, [[a + i for i in g] for g in split_micro_batches(lengths[a:b], token_budget)],

@@ -108,15 +108,18 @@ class DpBalancer:
                 :func:`yatt.algos.update.mini_batch_bounds`).
             mini_batches: optimizer steps per epoch, the same on every rank.
         Returns:
-            :class:`Balanced`. Every mini-batch holds at least one sample on every rank.
-        Raises:
-            ValueError: fewer samples than mini-batches on some rank.
+            :class:`Balanced`. Every mini-batch holds at least one sample on every rank: when a
+            small step (ranks may even hold no samples, e.g. after dynamic sampling) cannot fill
+            ``mini_batches`` chunks with one sample per rank each, fewer mini-batches are formed
+            (the same number on every rank), none when the group holds fewer samples than ranks.
         """
         ex, d_size, me = self.exchange, self.exchange.size, self.exchange.rank
         lengths = np.array([[len(s.prompt_ids), len(s.response_ids)] for s in samples], dtype=np.int64).reshape(-1, 2)
         every = ex.allgather(lengths)  # [n_d, 2] per rank: the only data every rank sees
-        bounds = [mini_batch_bounds(len(x), mini_batches) for x in every]
-        seq_src, seq_local, send_idx = [], [], [[] for _ in range(d_size)]
+        mini_batches = _fillable(mini_batches, [len(x) for x in every], d_size)
+        bounds = [mini_batch_bounds(len(x), mini_batches) if mini_batches else [0] for x in every]
+        seq_src, seq_local = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        send_idx: list[list[np.ndarray]] = [[np.zeros(0, np.int64)] for _ in range(d_size)]
         splits, before, after = [], [], []
         for m in range(mini_batches):
             owner = np.concatenate([np.full(b[m + 1] - b[m], d) for d, b in enumerate(bounds)]).astype(np.int64)
@@ -158,6 +161,16 @@ class DpBalancer:
         if (np.diff(plan.rank_offsets) == 0).any():  # only zero-cost ties can leave a rank empty
             plan = dp_balance(lens, self.exchange.size, self.token_budget, cost=cost, equal_count=True)
         return plan
+
+
+def _fillable(mini_batches: int, counts: list[int], ranks: int) -> int:
+    """The most chunks (at most ``mini_batches``) whose every chunk, cut per rank as in
+    :func:`mini_batch_bounds`, holds at least ``ranks`` samples over the group; 0 if none."""
+    for m in range(mini_batches, 0, -1):
+        bounds = [mini_batch_bounds(n, m) for n in counts]
+        if all(sum(b[i + 1] - b[i] for b in bounds) >= ranks for i in range(m)):
+            return m
+    return 0
 
 
 def _imbalance(costs: list[np.ndarray]) -> float:
