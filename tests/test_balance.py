@@ -348,3 +348,16 @@ def test_dp_balance_equals_partition_then_split():
             order += [part[j] for j in mb]
             mb_offsets.append(len(order))
     assert plan.order.tolist() == order and plan.mb_offsets.tolist() == mb_offsets
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dp_balance_leaves_no_rank_empty_when_every_rank_can_have_a_sequence(seed):
+    """The DP rebalancer relies on it: with positive lengths and n >= ranks, KK fills every rank."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        ranks = rng.randint(2, 9)
+        n = rng.randint(ranks, 3 * ranks)
+        lengths = rng.choice([[rng.randint(1, 3) for _ in range(n)], [10**6] + [1] * (n - 1),
+                              [int(rng.paretovariate(1.0) * 10) for _ in range(n)]])
+        plan = dp_balance(lengths, ranks, 10**9)
+        assert all(len(plan.rank_samples(r)) for r in range(ranks)), (lengths, ranks)
