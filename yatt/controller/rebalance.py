@@ -141,11 +141,11 @@ class DpBalancer:
         src, src_local = np.concatenate(seq_src), np.concatenate(seq_local)
         send = [np.concatenate(s) for s in send_idx]
         recv_pos = [np.nonzero(src == p)[0] for p in range(d_size)]
-        every_lens = [every[p][src_local[pos]] for p, pos in enumerate(recv_pos)]
+        recv_lens = [every[p][src_local[pos]] for p, pos in enumerate(recv_pos)]
         bufs = ex.alltoallv([_pack([samples[i] for i in idx]) for idx in send],
-                            [_packed_bytes(pr) for pr in every_lens])
+                            [_packed_bytes(pr) for pr in recv_lens])
         balanced: list[Sample | None] = [None] * len(src)
-        for pos, buf, pr in zip(recv_pos, bufs, every_lens):
+        for pos, buf, pr in zip(recv_pos, bufs, recv_lens):
             for j, s in zip(pos, _unpack(buf, pr)):
                 balanced[j] = s
         route = _Route(ex, send, recv_pos, lengths[:, 1].copy())
