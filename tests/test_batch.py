@@ -99,9 +99,10 @@ def test_policy_update_reduces_stats_over_steps_and_first_epoch():
     from yatt.config import AlgoConfig
 
     class Actor:  # returns fixed per-step sums, the shape MegatronPolicy.train_step returns
-        def train_step(self, mbs, loss_fn):
+        def train_step(self, mbs, loss_fn, skip_update=None):
+            skipped = bool(skip_update and skip_update(2.0))
             out = {"pg_loss": 1.0, "kl": 0.0, "ppo_kl": 0.5, "clip_frac": 2.0, "ratio": 4.0, "entropy": 3.0,
-                   "tokens": 4.0, "grad_norm": 2.0, "lr": 0.1}
+                   "tokens": 4.0, "grad_norm": 2.0, "lr": 0.1, "update_skipped": float(skipped)}
             if loss_fn.on_policy:
                 out.update(logprob_diff_rollout_vs_train=0.4, diff_tokens=4.0)
             return out
@@ -112,3 +113,9 @@ def test_policy_update_reduces_stats_over_steps_and_first_epoch():
     assert out["entropy"] == (6.0, 8.0)  # first epoch only
     assert out["logprob_diff_rollout_vs_train"] == (0.4, 4.0)  # the on-policy first mini-batch only
     assert out["grad_norm"] == (12.0, 6) and out["kl"] == out["ppo_kl"]  # kl_coef 0: KL to the rollout policy
+    assert out["guard_skipped_updates"] == (0.0, 1.0)
+    calls = iter(range(100))
+    guarded = policy_update(Actor(), minis, AlgoConfig(ppo_epochs=3, mini_batches=2), None,
+                            guard=lambda norm: next(calls) % 2 == 1)  # skip every second step
+    assert guarded["guard_skipped_updates"] == (3.0, 1.0) and guarded["grad_norm"] == (6.0, 3)
+    assert guarded["pg_loss"] == (3.0, 12.0)  # skipped steps add nothing

@@ -21,6 +21,8 @@ def test_recipe_loads_and_overrides_apply(tmp_path):
     ("data.source=file", "data.train_files: required"),
     ("trainer.balance.cost_linear=0", "trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0"),
     ("trainer.balance.cost_quadratic=-1", "config key 'trainer.balance.cost_quadratic'"),
+    ("trainer.guard.spike_factor=1", "config key 'trainer.guard.spike_factor'"),
+    ("trainer.guard.min_history=30", "trainer.guard.min_history: must not exceed trainer.guard.window"),
 ])
 def test_bad_key_or_type_names_the_key(override, expected):
     with pytest.raises(ConfigError) as e:

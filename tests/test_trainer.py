@@ -215,7 +215,7 @@ def test_train_step_semantics(smol, frozen, micro_batches):
     before = total(actor)
     hf_norm = ref.hf_grad_norm(hf, micro_batches, ref.sum_logprob_loss)
     stats = actor.train_step(micro_batches, ref.sum_logprob_loss)
-    assert set(stats) == {"grad_norm", "lr", "loss", "tokens"}
+    assert set(stats) == {"grad_norm", "lr", "update_skipped", "loss", "tokens"} and stats["update_skipped"] == 0
     assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
     assert abs(stats["grad_norm"] - hf_norm) <= ref.GRAD_NORM_RTOL * hf_norm, (stats["grad_norm"], hf_norm)
     assert stats["lr"] == pytest.approx(1e-5)
@@ -242,6 +242,33 @@ def test_bf16_policy_trains(world1, tmp_path):
     stats = policy.train_step(mbs, ref.sum_logprob_loss)
     assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
     assert dict(policy.export_hf_weights())["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_guard_skips_a_planted_nan_and_keeps_the_weights(world1, tmp_path):
+    """A NaN loss gives a non-finite grad norm: the guard skips the update (weights and lr
+    schedule untouched); the next clean step is applied, with the same grad norm as unguarded."""
+    from yatt.algos.guard import StabilityGuard
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+
+    ref.save_tiny_hf(tmp_path, "llama", vocab_size=100, tied=True)
+    policy = MegatronPolicy(tmp_path, optim=OptimConfig(lr=1e-3, min_lr=1e-4, total_steps=4))
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    mbs = [{"input_ids": ids, "mask": torch.ones(2, 12)}]
+
+    def nan_loss(logprobs, entropy, mb):
+        loss, stats = ref.sum_logprob_loss(logprobs, entropy, mb)
+        return loss * float("nan"), stats
+
+    before = {k: v.clone() for k, v in policy.export_hf_weights()}
+    guard = StabilityGuard()
+    stats = policy.train_step(mbs, nan_loss, guard)
+    assert stats["update_skipped"] == 1.0 and not math.isfinite(stats["grad_norm"]) and guard.skipped_non_finite == 1
+    assert all(torch.equal(v, before[k]) for k, v in policy.export_hf_weights())
+    clean = policy.train_step(mbs, ref.sum_logprob_loss, guard)
+    assert clean["update_skipped"] == 0.0 and math.isfinite(clean["grad_norm"]) and clean["grad_norm"] > 0
+    assert clean["lr"] == pytest.approx(1e-3)  # the skipped step did not advance the schedule
+    assert any(not torch.equal(v, before[k]) for k, v in policy.export_hf_weights())
+    assert list(guard.history) == [clean["grad_norm"]]
 
 
 def _prompt_masked(micro_batches):

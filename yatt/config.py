@@ -111,6 +111,17 @@ class BalanceConfig(_Section):
     equal_count: bool = False  # equal sequence counts per rank (fixed micro-batch shapes)
 
 
+class GuardConfig(_Section):
+    """Stability guard (:class:`yatt.algos.guard.StabilityGuard`): an optimizer step whose pre-clip
+    grad norm is non-finite, or above ``spike_factor`` x the median of the last ``window`` applied
+    steps (once ``min_history`` exist), is skipped and counted (``guard_skipped_updates``)."""
+
+    enabled: bool = True
+    spike_factor: float = Field(10.0, gt=1)
+    window: int = Field(20, gt=0)
+    min_history: int = Field(5, gt=0)
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(20, gt=0)
     prompts_per_rank: int = Field(4, gt=0)  # controller shard's prompts per step
@@ -126,6 +137,7 @@ class TrainerConfig(_Section):
     clip_grad: float = Field(1.0, gt=0)
     sync_bucket_mb: float = Field(512, gt=0)  # weight sync: MiB of HF tensors resharded and pushed at a time
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
 class EvalConfig(_Section):
@@ -173,6 +185,8 @@ class Config(_Section):
         if self.algo.dynamic_sampling and not b.enabled:
             raise ValueError("algo.dynamic_sampling: needs trainer.balance.enabled (it gives ranks left without "
                              "informative groups a share of the batch)")
+        if self.trainer.guard.min_history > self.trainer.guard.window:
+            raise ValueError("trainer.guard.min_history: must not exceed trainer.guard.window")
         if self.trainer.lr < self.trainer.min_lr:
             raise ValueError("trainer.min_lr: must not exceed trainer.lr")
         return self

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from yatt.algos.guard import StabilityGuard
 from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
@@ -71,6 +72,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     mp_group, dp_group = _groups()
     dp_group = placement.train_group or dp_group
     balancer = DpBalancer(t.balance, t.micro_batch_tokens, dp_group) if placement.trains and t.balance.enabled else None
+    g = t.guard
+    guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled else None
     sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds)
                if cfg.algo.dynamic_sampling else None)
     placement.start()
@@ -112,7 +115,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             with timer("logprob"):
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
             with timer("train"):
-                sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group))
+                sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard))
             sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
         sums["data_rows_skipped"] = (float(sum(train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
         placement.sync(actor, timer)

@@ -70,25 +70,32 @@ def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: 
     return sums
 
 
-def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None) -> dict[str, tuple[float, float]]:
+def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None,
+                  guard=None) -> dict[str, tuple[float, float]]:
     """Run ``cfg.ppo_epochs`` passes of one optimizer step per mini-batch.
 
+    Args:
+        guard: optional ``(grad norm) -> skip?`` (:class:`~yatt.algos.guard.StabilityGuard`); a
+            skipped step adds nothing to the metrics but ``guard_skipped_updates``.
     Returns:
         (sum, count) pairs: token means of ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``,
         ``ratio`` and ``entropy`` (first epoch) over response tokens; ``grad_norm`` and ``lr``
-        averaged over optimizer steps; ``logprob_diff_rollout_vs_train`` from the first
+        averaged over the applied optimizer steps; ``guard_skipped_updates``; ``logprob_diff_rollout_vs_train`` from the first
         mini-batch (the one trained before any update). Without a reference model
         (``kl_coef == 0``) ``kl`` is the KL to this step's rollout policy (``ppo_kl``).
     """
     totals: dict[str, float] = {}  # over all optimizer steps
     first: dict[str, float] = {}  # over the first epoch (entropy of the policy that sampled)
-    steps = 0
+    steps = skipped = 0  # applied, skipped optimizer steps
     for epoch in range(cfg.ppo_epochs):
         for i, mbs in enumerate(mini_batches):
             tokens = torch.tensor([float(sum(mb["response_mask"].sum() for mb in mbs))], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(tokens, group=dp_group)
-            out = actor.train_step(mbs, GRPOLoss(cfg, float(tokens), on_policy=epoch == 0 and i == 0))
+            out = actor.train_step(mbs, GRPOLoss(cfg, float(tokens), on_policy=epoch == 0 and i == 0), guard)
+            if out.pop("update_skipped", 0.0):
+                skipped += 1
+                continue
             for k, v in out.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
                 if epoch == 0:
@@ -99,6 +106,7 @@ def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_gro
     result["entropy"] = (first.get("entropy", 0.0), first.get("tokens", 0.0))
     result["logprob_diff_rollout_vs_train"] = (totals.get("logprob_diff_rollout_vs_train", 0.0), totals.get("diff_tokens", 0.0))
     result.update({k: (totals.get(k, 0.0), steps) for k in ("grad_norm", "lr")})
+    result["guard_skipped_updates"] = (float(skipped), 1.0)
     if cfg.kl_coef == 0:
         result["kl"] = result["ppo_kl"]
     return result

@@ -335,7 +335,8 @@ class MegatronPolicy:
         return [(next(parts).view(s), next(parts).view(s)) for s in shapes]
 
     # ---- training ------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
+    def train_step(self, micro_batches: list[dict], loss_fn: Callable,
+                   skip_update: Callable[[float], bool] | None = None) -> dict:
         """One optimizer step on the sum of ``loss_fn`` over micro-batches and DP ranks.
 
         Args:
@@ -343,9 +344,13 @@ class MegatronPolicy:
                 with ``input_ids`` [B, T] int64 plus whatever ``loss_fn`` reads.
             loss_fn: ``(logprobs [B, T] with grad, entropy [B, T] detached, mb) -> (loss 0-dim,
                 stats {name: 0-dim tensor})``; logprobs/entropy as in :meth:`compute_logprobs`.
+            skip_update: called with the pre-clip global grad norm (the same on every rank)
+                before the update; True skips the update and the scheduler step (e.g. a
+                :class:`~yatt.algos.guard.StabilityGuard`).
         Returns:
-            ``{"grad_norm": pre-clip global grad norm, "lr": lr used by this step, **stats}``
-            as floats; each stat is summed over this rank's micro-batches (not reduced over DP).
+            ``{"grad_norm": pre-clip global grad norm, "lr": lr of this step, "update_skipped":
+            0.0 or 1.0, **stats}`` as floats; each stat is summed over this rank's micro-batches
+            (not reduced over DP).
         Raises:
             RuntimeError: the policy is frozen (``optim=None``).
             ValueError: no micro-batches.
@@ -360,9 +365,15 @@ class MegatronPolicy:
         self.optimizer.zero_grad()
         out = self._run(micro_batches, loss_fn, forward_only=False)  # entropy has no grad
         lr = self.optimizer.param_groups[0]["lr"]
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        stats = {"grad_norm": float(grad_norm), "lr": float(lr)}
+        skipped = False
+        if skip_update is not None:
+            self.optimizer.prepare_grads()  # main grads ready (step() repeats this, idempotently)
+            grad_norm = float(self.optimizer.get_grad_norm())
+            skipped = bool(skip_update(grad_norm))
+        if not skipped:
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+        stats = {"grad_norm": float(grad_norm), "lr": float(lr), "update_skipped": float(skipped)}
         names = sorted(out[0]) if out else []
         if self.pp > 1:  # the loss stats exist on the last stage only
             names = [names]
