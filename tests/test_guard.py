@@ -27,3 +27,10 @@ def test_bad_settings_are_rejected():
         StabilityGuard(spike_factor=1.0)
     with pytest.raises(ValueError):
         StabilityGuard(window=2, min_history=3)
+
+
+def test_zero_norms_do_not_drag_the_median_down():
+    guard = StabilityGuard(spike_factor=10.0, window=4, min_history=2)
+    for x in (2.0, 0.0, 0.0, 0.0, 3.0):  # steps whose groups all had equal rewards: grad norm 0
+        assert not guard(x)
+    assert list(guard.history) == [2.0, 3.0] and not guard(20.0) and guard(31.0)  # median 3 after 20

@@ -36,12 +36,14 @@ class StabilityGuard:
         self.skipped_non_finite = self.skipped_spike = 0
 
     def __call__(self, grad_norm: float) -> bool:
-        """True to skip the step with this pre-clip grad norm; an applied step's norm is recorded."""
+        """True to skip the step with this pre-clip grad norm. An applied step's norm is recorded
+        unless it is 0 (every advantage 0: no signal, and zeros would drag the median to 0)."""
         if not math.isfinite(grad_norm):
             self.skipped_non_finite += 1
             return True
         if len(self.history) >= self.min_history and grad_norm > self.spike_factor * statistics.median(self.history):
             self.skipped_spike += 1
             return True
-        self.history.append(grad_norm)
+        if grad_norm > 0:
+            self.history.append(grad_norm)
         return False
