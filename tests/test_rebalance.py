@@ -52,3 +52,33 @@ def test_fewer_mini_batches_when_a_small_step_cannot_give_every_rank_a_sample():
     assert _fillable(2, [1, 1, 4], 3) == 1  # chunk 0 would hold 0 + 0 + 2 samples for 3 ranks
     assert _fillable(3, [0, 0, 9], 3) == 3  # empty ranks are fine: the plan moves samples to them
     assert _fillable(2, [0, 2, 0], 3) == 0  # fewer samples than ranks: no update this step
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layouts_of_all_ranks_agree_on_every_route(seed):
+    """The plan seen from each of D simulated ranks: what p sends q is what q expects from p, in
+    order; every sample lands on exactly one rank; micro-batches cover the balanced list."""
+    from types import SimpleNamespace
+
+    from yatt.controller.rebalance import _fillable
+
+    rng = np.random.default_rng(seed)
+    ranks = int(rng.integers(1, 7))
+    every = [np.stack([rng.integers(5, 40, n), rng.pareto(1.0, n).astype(np.int64) + 1], axis=1)
+             for n in rng.integers(0, 12, ranks)]
+    mini = _fillable(2, [len(x) for x in every], ranks)
+    layouts = []
+    for r in range(ranks):
+        balancer = DpBalancer(BalanceConfig(), token_budget=64)
+        balancer.exchange = SimpleNamespace(size=ranks, rank=r)
+        layouts.append(balancer._layout(every, mini))
+    placed = sorted((int(p), int(i)) for lay in layouts for p, i in zip(lay.src, lay.src_local))
+    if mini:
+        assert placed == sorted((p, i) for p, x in enumerate(every) for i in range(len(x)))
+    for p, sender in enumerate(layouts):
+        for q, receiver in enumerate(layouts):
+            assert sender.send[q].tolist() == receiver.src_local[receiver.src == p].tolist()
+    for lay in layouts:
+        flat = [int(i) for split in lay.splits for mb in split for i in mb]
+        assert flat == list(range(len(lay.src)))
+        assert all(len(split) >= 1 for split in lay.splits)  # every rank has work in every mini-batch

@@ -86,6 +86,16 @@ class _Route:
     owned_response: np.ndarray  # response length of each of my original samples
 
 
+@dataclass
+class _Layout:
+    splits: list[list[np.ndarray]]  # per mini-batch, micro-batches as positions in the balanced list
+    before: list[np.ndarray]  # per mini-batch, cost per rank in the rollout layout
+    after: list[np.ndarray]  # ... and in the balanced layout
+    send: list  # per peer: my original samples it receives, in its arrival order
+    src: np.ndarray  # per balanced position: the rank that owns the sample
+    src_local: np.ndarray  # ... and its index there
+
+
 class DpBalancer:
     """Balances every step over one data-parallel group (create once; collectives over ``group``).
 
@@ -113,43 +123,46 @@ class DpBalancer:
             ``mini_batches`` chunks with one sample per rank each, fewer mini-batches are formed
             (the same number on every rank), none when the group holds fewer samples than ranks.
         """
-        ex, d_size, me = self.exchange, self.exchange.size, self.exchange.rank
+        ex = self.exchange
         lengths = np.array([[len(s.prompt_ids), len(s.response_ids)] for s in samples], dtype=np.int64).reshape(-1, 2)
         every = ex.allgather(lengths)  # [n_d, 2] per rank: the only data every rank sees
-        mini_batches = _fillable(mini_batches, [len(x) for x in every], d_size)
+        lay = self._layout(every, _fillable(mini_batches, [len(x) for x in every], ex.size))
+        recv_pos = [np.nonzero(lay.src == p)[0] for p in range(ex.size)]
+        recv_lens = [every[p][lay.src_local[pos]] for p, pos in enumerate(recv_pos)]
+        bufs = ex.alltoallv([_pack([samples[i] for i in idx]) for idx in lay.send],
+                            [_packed_bytes(pr) for pr in recv_lens])
+        balanced: list[Sample | None] = [None] * len(lay.src)
+        for pos, buf, pr in zip(recv_pos, bufs, recv_lens):
+            for j, s in zip(pos, _unpack(buf, pr)):
+                balanced[j] = s
+        route = _Route(ex, lay.send, recv_pos, lengths[:, 1].copy())
+        return Balanced(balanced, lay.splits, _imbalance(lay.before), _imbalance(lay.after), route)
+
+    def _layout(self, every: list[np.ndarray], mini_batches: int) -> _Layout:
+        """The plan of every mini-batch, seen from this rank (pure: the same inputs on every rank)."""
+        d_size, me = self.exchange.size, self.exchange.rank
         bounds = [mini_batch_bounds(len(x), mini_batches) if mini_batches else [0] for x in every]
-        seq_src, seq_local = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-        send_idx: list[list[np.ndarray]] = [[np.zeros(0, np.int64)] for _ in range(d_size)]
-        splits, before, after = [], [], []
+        lay = _Layout([], [], [], [[] for _ in range(d_size)], np.zeros(0, np.int64), np.zeros(0, np.int64))
+        src, src_local = [lay.src], [lay.src_local]
         for m in range(mini_batches):
             owner = np.concatenate([np.full(b[m + 1] - b[m], d) for d, b in enumerate(bounds)]).astype(np.int64)
             local = np.concatenate([np.arange(b[m], b[m + 1]) for b in bounds]).astype(np.int64)
             lens = np.concatenate([x[b[m]:b[m + 1]].sum(axis=1) for x, b in zip(every, bounds)])
             plan = self._plan(lens)
-            before.append(np.bincount(owner, weights=self._costs(lens), minlength=d_size))
-            after.append(plan.rank_cost.astype(np.float64))
+            lay.before.append(np.bincount(owner, weights=self._costs(lens), minlength=d_size))
+            lay.after.append(plan.rank_cost.astype(np.float64))
             for q in range(d_size):  # what each peer receives from me, in its packed order
                 g = plan.rank_samples(q)
-                send_idx[q].append(local[g[owner[g] == me]])
+                lay.send[q].append(local[g[owner[g] == me]])
             mine = plan.rank_samples(me)
-            offset = sum(len(s) for s in seq_src)
-            first = plan.rank_offsets[me]
-            cuts = plan.mb_offsets[plan.mb_rank_offsets[me]:plan.mb_rank_offsets[me + 1] + 1] - first + offset
-            splits.append([np.arange(a, b) for a, b in zip(cuts[:-1], cuts[1:])])
-            seq_src.append(owner[mine])
-            seq_local.append(local[mine])
-        src, src_local = np.concatenate(seq_src), np.concatenate(seq_local)
-        send = [np.concatenate(s) for s in send_idx]
-        recv_pos = [np.nonzero(src == p)[0] for p in range(d_size)]
-        recv_lens = [every[p][src_local[pos]] for p, pos in enumerate(recv_pos)]
-        bufs = ex.alltoallv([_pack([samples[i] for i in idx]) for idx in send],
-                            [_packed_bytes(pr) for pr in recv_lens])
-        balanced: list[Sample | None] = [None] * len(src)
-        for pos, buf, pr in zip(recv_pos, bufs, recv_lens):
-            for j, s in zip(pos, _unpack(buf, pr)):
-                balanced[j] = s
-        route = _Route(ex, send, recv_pos, lengths[:, 1].copy())
-        return Balanced(balanced, splits, _imbalance(before), _imbalance(after), route)
+            offset = sum(len(x) for x in src)
+            cuts = plan.mb_offsets[plan.mb_rank_offsets[me]:plan.mb_rank_offsets[me + 1] + 1] - plan.rank_offsets[me]
+            lay.splits.append([np.arange(a, b) + offset for a, b in zip(cuts[:-1], cuts[1:])])
+            src.append(owner[mine])
+            src_local.append(local[mine])
+        lay.src, lay.src_local = np.concatenate(src), np.concatenate(src_local)
+        lay.send = [np.concatenate(x) if x else np.zeros(0, np.int64) for x in lay.send]
+        return lay
 
     def _costs(self, lens: np.ndarray) -> np.ndarray:
         a, b = self.cfg.cost_linear, self.cfg.cost_quadratic
