@@ -77,10 +77,11 @@ PYBIND11_MODULE(_C, m) {
           out["mb_offsets"] = to_array(plan.mb_offsets);
           out["mb_rank_offsets"] = to_array(plan.mb_rank_offsets);
           out["rank_cost"] = to_array(plan.rank_cost);
+          out["costs"] = to_array(plan.costs);
           return out;
         }, py::arg("lengths"), py::arg("ranks"), py::arg("max_tokens"), py::arg("cost_linear") = 1.0,
         py::arg("cost_quadratic") = 0.0, py::arg("equal_count") = false,
-        "Fused DP balancer: lengths -> {order, rank_offsets, mb_offsets, mb_rank_offsets, rank_cost}.");
+        "Fused DP balancer: lengths -> {order, rank_offsets, mb_offsets, mb_rank_offsets, rank_cost, costs}.");
   m.def("split_micro_batches", &yatt::split_micro_batches, py::arg("lengths"),
         py::arg("max_tokens"), nogil,
         "Fewest KK-balanced micro-batches of at most max_tokens tokens -> lists of indices.");

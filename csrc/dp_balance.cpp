@@ -73,6 +73,7 @@ DpPlan dp_balance(const std::vector<int64_t>& lengths, int64_t ranks, int64_t ma
     plan.rank_offsets.push_back(static_cast<int64_t>(plan.order.size()));
     plan.mb_rank_offsets.push_back(static_cast<int64_t>(plan.mb_offsets.size()) - 1);
   }
+  plan.costs = std::move(costs);
   return plan;
 }
 

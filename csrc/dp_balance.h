@@ -23,6 +23,8 @@ struct DpPlan {
   std::vector<int64_t> mb_rank_offsets;
   // ranks entries: cost sum per rank under the cost model.
   std::vector<int64_t> rank_cost;
+  // n entries: cost of each sequence under the cost model (rank_cost sums these).
+  std::vector<int64_t> costs;
 };
 
 // lengths: tokens per sequence (>= 0). ranks >= 1. max_tokens >= 1: micro-batch token budget (a

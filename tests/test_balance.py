@@ -292,6 +292,7 @@ def _check_plan(plan, lengths, ranks, max_tokens):
             tokens = sum(lengths[i] for i in mb)
             assert tokens <= max_tokens or len(mb) == 1, (r, mb.tolist(), tokens)
         assert plan.rank_cost[r] == sum(lengths[i] for i in samples)  # default cost: tokens
+    assert plan.costs.tolist() == [int(x) for x in lengths]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -324,6 +325,8 @@ def test_dp_balance_cost_model_and_equal_count():
     lengths = [1000, 10, 10, 10, 10, 10, 10, 1000]
     quad = dp_balance(lengths, 2, 4096, cost=(1.0, 0.01))  # long: 1000 + 0.01 * 1000^2, short: 11
     assert quad.rank_cost.tolist() == [11033, 11033]
+    assert quad.costs.tolist() == [11000, 11, 11, 11, 11, 11, 11, 11000]
+    assert dp_balance([3], 1, 64, cost=(1.0, 0.5)).costs.tolist() == [8]  # 7.5 rounds half away from zero
     assert [sorted(lengths[i] for i in quad.rank_samples(r)) for r in range(2)] == [[10, 10, 10, 1000]] * 2
     lengths = [2000, 500, 500, 500, 500]
     assert sorted(len(dp_balance(lengths, 2, 4096).rank_samples(r)) for r in range(2)) == [1, 4]

@@ -139,6 +139,7 @@ class DpPlan:
         mb_rank_offsets: [ranks + 1]; rank ``r``'s micro-batches are
             ``b in range(mb_rank_offsets[r], mb_rank_offsets[r + 1])``.
         rank_cost: [ranks] cost sum per rank under the cost model.
+        costs: [n] cost of each sequence under the cost model.
         position: [n] inverse of ``order``: sample ``i`` sits at ``order[position[i]]`` (unpack
             results computed in packed order with ``packed[position]``).
     """
@@ -148,6 +149,7 @@ class DpPlan:
     mb_offsets: np.ndarray
     mb_rank_offsets: np.ndarray
     rank_cost: np.ndarray
+    costs: np.ndarray
     position: np.ndarray
 
     def rank_samples(self, r: int) -> np.ndarray:

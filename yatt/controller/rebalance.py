@@ -149,7 +149,7 @@ class DpBalancer:
             local = np.concatenate([np.arange(b[m], b[m + 1]) for b in bounds]).astype(np.int64)
             lens = np.concatenate([x[b[m]:b[m + 1]].sum(axis=1) for x, b in zip(every, bounds)])
             plan = self._plan(lens)
-            lay.before.append(np.bincount(owner, weights=self._costs(lens), minlength=d_size))
+            lay.before.append(np.bincount(owner, weights=plan.costs, minlength=d_size).astype(np.float64))
             lay.after.append(plan.rank_cost.astype(np.float64))
             for q in range(d_size):  # what each peer receives from me, in its packed order
                 g = plan.rank_samples(q)
@@ -163,10 +163,6 @@ class DpBalancer:
         lay.src, lay.src_local = np.concatenate(src), np.concatenate(src_local)
         lay.send = [np.concatenate(x) if x else np.zeros(0, np.int64) for x in lay.send]
         return lay
-
-    def _costs(self, lens: np.ndarray) -> np.ndarray:
-        a, b = self.cfg.cost_linear, self.cfg.cost_quadratic
-        return np.rint(a * lens + b * lens.astype(np.float64) ** 2)
 
     def _plan(self, lens: np.ndarray) -> DpPlan:
         cost = (self.cfg.cost_linear, self.cfg.cost_quadratic)
