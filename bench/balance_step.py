@@ -6,8 +6,8 @@ same micro-batches from each rank's own samples (no exchange), same samples, one
 Each rank holds ``--samples`` synthetic samples shaped like the demo's (prompt 50-80 tokens,
 response 1-48, long-tailed by rank) split into 2 mini-batches under a 2048-token budget. Prints,
 on rank 0, the median seconds of ``DpBalancer.balance`` + packing (over MPI, then over
-torch.distributed) and of the local ``make_mini_batches`` split + pack (each call starts after a
-barrier, whose median time is subtracted), the imbalance before/after, and a final line
+torch.distributed) and of the local ``make_mini_batches`` split + pack (each call between barriers,
+the closing one timed: until the slowest rank is done), the imbalance before/after, and a final line
 
     balance_overhead_s=<median seconds of the MPI balance> imbalance=<before>-><after>
 """
@@ -45,12 +45,6 @@ def main() -> None:
     info = init_distributed(threads=1)
     samples = _samples(info.rank, args.samples)
 
-    def synced(fn):
-        def run():
-            dist.barrier()
-            return fn()
-        return run
-
     times, imb = {}, None
     for transport in ("auto", "torch"):
         balancer = DpBalancer(BalanceConfig(), 2048, transport=transport)
@@ -59,11 +53,9 @@ def main() -> None:
             bal = b.balance(samples, 2)
             return bal, [pack_micro_batches(bal.samples, split, 0) for split in bal.splits]
 
-        times[transport] = median_time(synced(balanced), args.repeats)
+        times[transport] = median_time(balanced, args.repeats, barrier=dist.barrier)
         imb = imb or balanced()[0]
-    times["local"] = median_time(synced(lambda: make_mini_batches(samples, 2, 2048, 0)), args.repeats)
-    barrier = median_time(dist.barrier, args.repeats)  # each timed call starts with one: subtracted
-    times = {k: max(0.0, v - barrier) for k, v in times.items()}
+    times["local"] = median_time(lambda: make_mini_batches(samples, 2, 2048, 0), args.repeats, barrier=dist.barrier)
     if info.rank == 0:
         for name, label in (("auto", "balance (MPI)"), ("torch", "balance (torch.distributed)"), ("local", "own samples")):
             print(f"{label:<30}{times[name] * 1e3:>9.2f} ms")

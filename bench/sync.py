@@ -23,21 +23,12 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as yatt.launch does, before torch allocates
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+from functools import partial  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
+from timing import median_time  # noqa: E402
 
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+timed = partial(median_time, barrier=dist.barrier)  # a warm-up run, then repeats between barriers
 
 
 def drain(iterator) -> None:
@@ -62,11 +53,11 @@ def main() -> None:
     path = resolve_model(args.model)
     actor = MegatronPolicy(path, tp=args.tp)
     bucketed = lambda: actor.export_hf_weights(512 << 20)  # noqa: E731
-    rows = [("export only", median_time(lambda: drain(per_tensor_hf_weights(actor)), args.repeats),
-             median_time(lambda: drain(bucketed()), args.repeats))]
+    rows = [("export only", timed(lambda: drain(per_tensor_hf_weights(actor)), args.repeats),
+             timed(lambda: drain(bucketed()), args.repeats))]
     engine = VLLMEngine(str(path), max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=info.rank)
-    rows.append(("export + engine load", median_time(lambda: engine.update_weights(per_tensor_hf_weights(actor)), args.repeats),
-                 median_time(lambda: engine.update_weights(bucketed()), args.repeats)))
+    rows.append(("export + engine load", timed(lambda: engine.update_weights(per_tensor_hf_weights(actor)), args.repeats),
+                 timed(lambda: engine.update_weights(bucketed()), args.repeats)))
     engine.shutdown()
     if info.rank == 0:
         print(f"{args.model}, trainer TP={args.tp} -> TP=1 engine per rank, {dist.get_world_size()} ranks")

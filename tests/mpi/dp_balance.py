@@ -58,12 +58,10 @@ def _response_logprobs(actor, samples, splits, pad_id):
 
 
 def _own_splits(samples, mini_batches: int, budget: int):
-    from yatt.algos.update import mini_batch_bounds
-    from yatt.balance import split_micro_batches
+    """The micro-batches (index lists) the loop trains on without balancing."""
+    from yatt.algos.update import make_mini_batches
 
-    bounds = mini_batch_bounds(len(samples), mini_batches)
-    return [[[a + i for i in g] for g in split_micro_batches([s.length for s in samples[a:b]], budget)]
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    return [[mb["index"].tolist() for mb in mbs] for mbs in make_mini_batches(samples, mini_batches, budget, 0)]
 
 
 def _train_stats(actor, samples, splits, pad_id):
