@@ -33,3 +33,21 @@ def mpirun():
         return proc
 
     return run
+
+
+@pytest.fixture(scope="session")
+def world1():
+    """torch.distributed, Megatron's parallel state (TP=1, PP=1) and its RNG tracker (as a
+    ``MegatronPolicy`` sets them up) for a world of one rank, in this process."""
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from yatt.dist import init_distributed
+    from yatt.trainer.actor import init_parallel_state
+
+    info = init_distributed()
+    assert info.world_size == 1
+    init_parallel_state(1, 1)
+    with torch.random.fork_rng(devices=[]):
+        model_parallel_cuda_manual_seed(1234)
+    return info

@@ -23,6 +23,10 @@ def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
+    final = out / "checkpoints" / "step_000002"  # the final save, one model file per pipeline stage
+    assert (out / "checkpoints" / "latest").read_text() == "step_000002\n"
+    stages = 2 if parallel == "trainer.pp=2" else 1
+    assert sorted(p.name for p in (final / "model").iterdir()) == [f"tp0_pp{s}.pt" for s in range(stages)]
     assert [r["step"] for r in train] == [1, 2]
     assert [r["step"] for r in evals] == [0, 2]
     for r in train:
@@ -50,6 +54,9 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, mode):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
+    final = out / "checkpoints" / "step_000002"  # every rank's state; the model once (judge-only ranks have none)
+    assert sorted(p.name for p in (final / "rank").iterdir()) == ["00000.pt", "00001.pt"]
+    assert [p.name for p in (final / "model").iterdir()] == ["tp0_pp0.pt"]
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
     keys = REQUIRED + ["reward_genrm_mean", "genrm_unparsable", "time_genrm_s", "reward_rule_mean",
                        "time_rollout_genrm_s", "idle_s", "idle_max_s"]

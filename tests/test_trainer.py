@@ -22,21 +22,6 @@ LOGITS_ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
-def world1():
-    from yatt.dist import init_distributed
-    from yatt.trainer import megatron_cpu
-
-    info = init_distributed()
-    assert info.world_size == 1
-    megatron_cpu.apply()
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    return info
-
-
-@pytest.fixture(scope="module")
 def smol(world1):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -114,9 +114,12 @@ class BalanceConfig(_Section):
 class GuardConfig(_Section):
     """Stability guard (:class:`yatt.algos.guard.StabilityGuard`): an optimizer step whose pre-clip
     grad norm is non-finite, or above ``spike_factor`` x the median of the last ``window`` applied
-    steps (once ``min_history`` exist), is skipped and counted (``guard_skipped_updates``)."""
+    steps (once ``min_history`` exist), is skipped and counted (``guard_skipped_updates``). With
+``action: rollback`` the policy (model, optimizer, LR schedule) is then reloaded from the newest
+complete checkpoint (``guard_rollbacks``); data position and RNG go on."""
 
     enabled: bool = True
+    action: Literal["skip", "rollback"] = "skip"  # rollback: also reload the last checkpoint's policy
     spike_factor: float = Field(10.0, gt=1)
     window: int = Field(20, gt=0)
     min_history: int = Field(5, gt=0)
@@ -140,6 +143,27 @@ class TrainerConfig(_Section):
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
+class CheckpointConfig(_Section):
+    """Async checkpoints (:mod:`yatt.checkpoint`): save points, retention, where."""
+
+    dir: str | None = None  # default <output_dir>/checkpoints; shared by all ranks
+    every_steps: int = Field(0, ge=0)  # save every N steps (0: not by count)
+    every_minutes: float = Field(30.0, ge=0)  # and when this much time passed since the last save (0: not by time)
+    save_final: bool = True  # save after the last step
+    on_signals: list[Literal["SIGTERM", "SIGUSR1"]] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    keep_last: int = Field(2, gt=0)  # retention: the newest K ...
+    keep_every: int = Field(0, ge=0)  # ... plus every checkpoint at a multiple of M steps (0: none)
+    async_save: bool = True  # write in a background thread (false: the step waits for the write)
+
+
+class FaultConfig(_Section):
+    """Dead or hung ranks (:class:`yatt.watchdog.Watchdog`): every rank sends heartbeats; a rank
+    silent for ``timeout_s`` ends the job with a message naming it and its last phase."""
+
+    watchdog: bool = True
+    timeout_s: float = Field(60.0, gt=0)
+
+
 class EvalConfig(_Section):
     max_tokens: int = Field(64, gt=0)
     every: int = Field(0, ge=0)  # also evaluate every N steps (0: before and after only)
@@ -148,7 +172,8 @@ class EvalConfig(_Section):
 class Config(_Section):
     seed: int = 0
     output_dir: str = "runs/default"
-    overwrite: bool = False  # start over in an output_dir that already holds a run's metrics
+    overwrite: bool = False  # start over in an output_dir that already holds a run (its checkpoints are deleted)
+    resume: str = "auto"  # auto: from the newest complete checkpoint if any; none: fresh; or a checkpoint path
     threads_per_rank: int | None = Field(None, gt=0)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -158,6 +183,8 @@ class Config(_Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

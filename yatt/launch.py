@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -33,12 +34,27 @@ def _setup_env(threads: int | None) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
+def _checkpoint_root(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
+
+
 def _check_output_dir(cfg) -> None:
-    """Refuse to mix a new run into an old run's metrics.jsonl (unless ``overwrite=true``)."""
+    """Refuse to mix a new run into an old run's metrics.jsonl: the old run is resumed
+    (``resume=auto`` with a complete checkpoint there, or an explicit checkpoint path),
+    or replaced (``overwrite=true``), or the job stops here."""
+    from yatt.checkpoint.files import find_latest, resolve
+
+    if cfg.resume not in ("auto", "none") and not cfg.overwrite:
+        try:
+            resolve(cfg.resume)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config key 'resume': {e}") from None
+        return
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
-    if os.path.exists(metrics) and not cfg.overwrite:
-        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({metrics}); "
-                          "pick another output_dir or pass overwrite=true")
+    resumable = cfg.resume == "auto" and find_latest(_checkpoint_root(cfg)) is not None
+    if os.path.exists(metrics) and not cfg.overwrite and not resumable:
+        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({metrics}) without a checkpoint to "
+                          "resume from; pick another output_dir or pass overwrite=true")
 
 
 def _check_model_parallel(cfg) -> None:
@@ -113,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("yatt").info("world %d (%s), threads/rank %s, output %s",
                                    info.world_size, info.source, os.environ.get("OMP_NUM_THREADS"), cfg.output_dir)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its DDP lists every parameter at INFO
+    if cfg.overwrite:  # a fresh run: the old run's checkpoints must not be resumed later
+        cfg.resume = "none"
+        if info.rank == 0:
+            shutil.rmtree(_checkpoint_root(cfg), ignore_errors=True)
     if info.rank == 0:
         os.makedirs(cfg.output_dir, exist_ok=True)
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
@@ -120,10 +140,15 @@ def main(argv: list[str] | None = None) -> int:
 
             yaml.safe_dump(cfg.model_dump(), f, sort_keys=False)
 
+    from yatt.checkpoint.triggers import EXIT_PREEMPTED, Preempted
     from yatt.loop import run
 
+    code = 0
     try:
         run(cfg, info)
+    except Preempted as e:  # every rank: the checkpoint is committed
+        logging.getLogger("yatt").warning("%s; exiting with code %d (resume=auto continues)", e, EXIT_PREEMPTED)
+        code = EXIT_PREEMPTED
     except BaseException:
         if info.world_size > 1 and info.source == "mpi":
             # One failed rank must end the job, not leave its peers blocked in a collective.
@@ -140,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

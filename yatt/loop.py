@@ -19,6 +19,7 @@ from yatt.algos.guard import StabilityGuard
 from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
+from yatt.checkpoint.run_state import RunCheckpoints, StatsPart
 from yatt.config import Config
 from yatt.controller.batch import make_samples, pack_micro_batches
 from yatt.controller.dynamic_sampling import DynamicSampler
@@ -77,8 +78,21 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds)
                if cfg.algo.dynamic_sampling else None)
     placement.start()
-    writer = MetricsWriter(cfg.output_dir, info.rank)
-    records = [_eval_record(0, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer)]
+    ckpt = RunCheckpoints(cfg, info.rank, actor, _dp_rank(placement.train_group),
+                          parts={"shard": shard, "data_stats": StatsPart(train_rows.stats), "guard": guard,
+                                 "sampler": sampler, "placement": placement},
+                          meta={"world": info.world_size, "tp": t.tp, "pp": t.pp, "dtype": cfg.model.dtype,
+                                "model_path": str(model_path), "config": cfg.model_dump()})
+    start = ckpt.resume()  # 0: a fresh run
+    if start >= t.total_steps:
+        log.info("the checkpoint is at step %d of trainer.total_steps=%d: nothing left to train", start, t.total_steps)
+        ckpt.triggers.close()
+        placement.close()
+        return []
+    writer = MetricsWriter(cfg.output_dir, info.rank, resume_step=start)
+    records = [] if start else [_eval_record(0, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer)]
+    if start:
+        placement.sync(actor, PhaseTimer())  # the engines serve the resumed policy
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                         top_p=cfg.rollout.top_p)
 
@@ -99,7 +113,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
         _merge(sums, more)
         return groups, rewards
 
-    for step in tqdm(range(1, t.total_steps + 1), desc="steps", disable=info.rank != 0, dynamic_ncols=True):
+    for step in tqdm(range(start + 1, t.total_steps + 1), desc="steps", initial=start, total=t.total_steps,
+                     disable=info.rank != 0, dynamic_ncols=True):
         timer, t0, sums = PhaseTimer(), time.perf_counter(), {}
         groups, rewards = sample_round(step, 0, timer, sums)
         if sampler is not None:  # DAPO: drop groups with equal rewards, sample more until the batch is full
@@ -116,6 +131,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
             with timer("train"):
                 sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard))
+            if t.guard.action == "rollback" and sums["guard_skipped_updates"][0]:
+                sums["guard_rollbacks"] = (float(ckpt.rollback()), 1.0)
             sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
         sums["data_rows_skipped"] = (float(sum(train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
         placement.sync(actor, timer)
@@ -133,7 +150,10 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             tqdm.write(_line(record))
         if cfg.eval.every and step % cfg.eval.every == 0 and step != t.total_steps:
             records.append(_eval_record(step, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer))
+        if step != t.total_steps:
+            ckpt.step_end(step)  # save points; raises Preempted after a signal's save
     records.append(_eval_record(t.total_steps, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer))
+    ckpt.finish(t.total_steps)
     placement.close()
     return records
 
@@ -165,6 +185,13 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
     if info.rank == 0:
         log.info("data: train streamed per rank (%s); %s", cfg.data.source, totals)
     return train, evals
+
+
+def _dp_rank(train_group) -> int:
+    """This rank's index among the data-parallel trainers."""
+    from megatron.core import parallel_state as mpu
+
+    return dist.get_rank(train_group) if train_group is not None else mpu.get_data_parallel_rank()
 
 
 def _groups():

@@ -47,3 +47,13 @@ class StabilityGuard:
         if grad_norm > 0:
             self.history.append(grad_norm)
         return False
+
+    def state_dict(self) -> dict:
+        """The running median's window and the skip counters (for checkpoints)."""
+        return {"history": list(self.history), "skipped_non_finite": self.skipped_non_finite,
+                "skipped_spike": self.skipped_spike}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.clear()
+        self.history.extend(state["history"])
+        self.skipped_non_finite, self.skipped_spike = state["skipped_non_finite"], state["skipped_spike"]

@@ -102,6 +102,12 @@ class DynamicSampler:
                  "dynamic_sampling_cap_hits": (float(self.cap_hits), 1.0)}
         return [g for g, _ in kept], [r for _, r in kept], stats
 
+    def state_dict(self) -> dict:
+        return {"cap_hits": self.cap_hits}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cap_hits = state["cap_hits"]
+
     def _rank(self) -> int:
         return dist.get_rank(self.group) if dist.is_initialized() else 0
 

@@ -84,19 +84,34 @@ def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple
     return out
 
 
+def _records_up_to(path: Path, step: int) -> list[str]:
+    """Lines of ``path`` whose record has ``step <= step`` (a line cut short by a crash is dropped)."""
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except ValueError:
+            continue
+    return kept
+
+
 class MetricsWriter:
     """Writes one JSON object per record to ``<output_dir>/metrics.jsonl`` (rank 0 only).
 
     The file is started empty: a run never appends to an older run's records (the launcher
-    refuses an output_dir that holds one unless ``overwrite=true``).
+    refuses an output_dir that holds one unless ``overwrite=true`` or it resumes). A run resumed
+    from the checkpoint of step ``resume_step`` keeps the records up to that step and drops the
+    later ones (the interrupted run's, which the resumed run writes again).
     """
 
-    def __init__(self, output_dir: str | Path, rank: int) -> None:
+    def __init__(self, output_dir: str | Path, rank: int, resume_step: int = 0) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = rank == 0
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            kept = _records_up_to(self.path, resume_step) if resume_step and self.path.exists() else []
+            self.path.write_text("".join(kept))
 
     def write(self, record: dict) -> None:
         if not self.enabled:

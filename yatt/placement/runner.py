@@ -116,6 +116,13 @@ class Placement:
         elif mode == "colocate":
             self.rollout.build_now()
 
+    def state_dict(self) -> dict:
+        """The split search and current split (``genrm_ranks: auto``), for checkpoints."""
+        return {"search": self.search, "roles": self.roles}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.search, self.roles = state["search"], state["roles"]
+
     def close(self) -> None:
         self.rollout.close()
         self.judge.close()

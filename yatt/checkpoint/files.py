@@ -1,0 +1,150 @@
+"""Checkpoint directories: names, the ``latest`` pointer, atomic commit, lookup and retention.
+
+Layout under a checkpoint root (``checkpoint.dir``, default ``<output_dir>/checkpoints``)::
+
+    step_000012/            a complete checkpoint (never written in place)
+      meta.json             step, format, world/TP/PP/DP sizes, dtype, base model folder, run config
+      model/tp{t}_pp{p}.pt  GPTModel.state_dict() of TP rank t, pipeline stage p (torch.save)
+      optim/tp{t}_pp{p}.pt  {"optimizer": ..., "scheduler": ...} of that model shard
+      rank/{rank:05d}.pt    this rank's RNG states, controller-shard position and counters
+    step_000013.tmp/        being written: ignored by resume and export, removed at start
+    latest                  the name of the newest complete checkpoint ("step_000012\\n")
+
+A checkpoint becomes visible in one ``rename`` of its ``.tmp`` folder after every rank's files
+are written and fsynced; ``latest`` is replaced (write, fsync, ``os.replace``) after that. A crash
+at any point leaves either the previous checkpoint or the new one, never a partial one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+LATEST = "latest"
+META = "meta.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def step_dir(root: str | Path, step: int, tmp: bool = False) -> Path:
+    """``root/step_{step:06d}`` (``.tmp`` suffix while being written)."""
+    return Path(root) / f"step_{step:06d}{'.tmp' if tmp else ''}"
+
+
+def committed_steps(root: str | Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root`` (ascending; ``.tmp`` folders excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir()
+                  if (m := _STEP_DIR.fullmatch(p.name)) and (p / META).is_file())
+
+
+def resolve(path: str | Path) -> Path:
+    """The complete checkpoint folder that ``path`` names: a step folder, or a root whose
+    ``latest`` is followed (if it is missing or names no complete step folder of that root:
+    the root's newest complete step folder).
+
+    Raises:
+        FileNotFoundError: nothing complete there (a ``.tmp`` folder is never complete).
+    """
+    path = Path(path)
+    if path.name.endswith(".tmp"):
+        raise FileNotFoundError(f"{path} is an unfinished checkpoint (a .tmp folder is never complete)")
+    if (path / META).is_file():
+        return path
+    pointer = path / LATEST
+    if pointer.is_file():  # followed only to a complete step folder of this root
+        name = pointer.read_text().strip()
+        if _STEP_DIR.fullmatch(name) and (path / name / META).is_file():
+            return path / name
+    steps = committed_steps(path)
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {path} (no {META}, no {LATEST}, no step_* folder)")
+    return step_dir(path, steps[-1])
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None (a fresh start)."""
+    try:
+        return resolve(root)
+    except FileNotFoundError:
+        return None
+
+
+def read_meta(folder: str | Path) -> dict:
+    """``meta.json`` of a complete checkpoint folder."""
+    return json.loads((Path(folder) / META).read_text())
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically: temp file, fsync, ``os.replace``, fsync folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def commit(root: str | Path, step: int, meta: dict) -> Path:
+    """Make ``step_N.tmp`` (every file in it written and fsynced) the complete ``step_N``, then
+    point ``latest`` at it. A complete ``step_N`` already there (a run resumed from an older
+    checkpoint) is replaced."""
+    root, tmp, final = Path(root), step_dir(root, step, tmp=True), step_dir(root, step)
+    (tmp / META).write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=1, default=str))
+    for sub in (tmp / "model", tmp / "optim", tmp / "rank", tmp):
+        if sub.is_dir():
+            fsync_path(sub)
+    old = None
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_path(root)
+    write_durably(root / LATEST, final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def to_delete(steps: list[int], keep_last: int, keep_every: int) -> list[int]:
+    """Steps whose checkpoints retention removes: all but the newest ``keep_last`` and, when
+    ``keep_every > 0``, those at multiples of ``keep_every``."""
+    keep = set(sorted(steps)[-keep_last:]) if keep_last > 0 else set()
+    keep |= {s for s in steps if keep_every and s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+def prune(root: str | Path, keep_last: int, keep_every: int) -> list[int]:
+    """Apply :func:`to_delete` under ``root`` (the folder ``latest`` names is always kept)."""
+    latest = find_latest(root)
+    gone = [s for s in to_delete(committed_steps(root), keep_last, keep_every)
+            if latest is None or step_dir(root, s) != latest]
+    for s in gone:
+        shutil.rmtree(step_dir(root, s), ignore_errors=True)
+    return gone
+
+
+def remove_unfinished(root: str | Path) -> list[Path]:
+    """Delete ``.tmp``/``.old`` folders a killed run left behind (call before any rank writes)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.is_dir() and p.suffix in (".tmp", ".old") and _STEP_DIR.fullmatch(p.stem)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale

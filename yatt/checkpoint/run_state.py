@@ -1,0 +1,189 @@
+"""The step loop's checkpoints: what a rank saves, resuming from it, save points, rollback.
+
+A checkpoint holds everything that makes step ``k + 1`` of a resumed run equal to step
+``k + 1`` of an uninterrupted one: the policy shard (model, optimizer, LR scheduler), every
+rank's RNG states (Python, NumPy, torch, CUDA), its controller shard's data position and
+bad-row counters, the stability guard's history, the dynamic sampler's counter and the
+placement's split search. Rollout seeds are derived from (seed, step, rank, round), so they
+need no state. The frozen reference model is not saved: it is rebuilt from the base model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from yatt.checkpoint import files
+from yatt.checkpoint.saver import Checkpointer, load_part
+from yatt.checkpoint.triggers import Preempted, SaveTriggers
+
+log = logging.getLogger("yatt")
+
+
+def rng_state() -> dict:
+    """This process's RNG states (Python, NumPy, torch CPU and, when present, CUDA)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resolve_resume(resume: str, root: str | Path) -> Path | None:
+    """The checkpoint to resume from: ``"none"`` -> None; ``"auto"`` -> the newest complete one
+    under ``root`` or None; anything else is a path (a step folder or a root with ``latest``).
+
+    Raises:
+        FileNotFoundError: an explicit path holds no complete checkpoint.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return files.find_latest(root)
+    return files.resolve(resume)
+
+
+class RunCheckpoints:
+    """Checkpoints of one run of :func:`yatt.loop.run` on this rank (collective methods).
+
+    Args:
+        cfg: the run config (``checkpoint``, ``resume``, ``trainer.guard.action``).
+        rank: global rank.
+        actor: this rank's trained policy (None on ranks that do not train).
+        dp_rank: this rank's data-parallel index among the trainers (DP rank 0 writes the
+            model and optimizer files of its TP x PP shard).
+        parts: ``name -> object with state_dict()/load_state_dict()`` saved per rank (the
+            controller shard, the guard, ...); None entries are skipped.
+        meta: run facts for ``meta.json`` (base model path, sizes, config).
+    """
+
+    def __init__(self, cfg, rank: int, actor, dp_rank: int, parts: dict, meta: dict) -> None:
+        c = cfg.checkpoint
+        self.cfg, self.rank, self.actor, self.meta = cfg, rank, actor, meta
+        self.parts = {k: v for k, v in parts.items() if v is not None}
+        self.root = Path(c.dir or Path(cfg.output_dir) / "checkpoints")
+        self.model_key = None
+        if actor is not None:
+            from megatron.core import parallel_state as mpu
+
+            key = f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
+            self.load_key = key
+            self.model_key = key if dp_rank == 0 else None
+        self.saver = Checkpointer(self.root, rank, self.model_key, async_save=c.async_save,
+                                  keep_last=c.keep_last, keep_every=c.keep_every)
+        self.triggers = SaveTriggers(c.every_steps, c.every_minutes, tuple(c.on_signals))
+        self.resumed_from: Path | None = None
+        self.rollbacks = 0
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> int:
+        """Load the checkpoint ``cfg.resume`` names (collective); returns its step (0: fresh start).
+
+        Raises:
+            ValueError: the checkpoint was saved with another world size, TP or PP.
+        """
+        folder = None
+        if self.rank == 0:
+            folder = resolve_resume(self.cfg.resume, self.root)
+        if dist.is_initialized():
+            box = [folder]
+            dist.broadcast_object_list(box, src=0)
+            folder = box[0]
+        if folder is None:
+            return 0
+        meta = files.read_meta(folder)
+        have = {k: self.meta[k] for k in ("world", "tp", "pp")}
+        saved = {k: meta.get(k) for k in have}
+        if saved != have:
+            raise ValueError(f"config key 'resume': checkpoint {folder} was saved with {saved}, this job has {have}")
+        self._load_policy(folder)
+        state = load_part(folder, "rank", f"{self.rank:05d}")
+        set_rng_state(state["rng"])
+        for name, part in self.parts.items():
+            part.load_state_dict(state["parts"][name])
+        self.resumed_from = folder
+        log.info("resumed from %s (step %d)", folder, meta["step"])
+        return int(meta["step"])
+
+    def _load_policy(self, folder: Path) -> None:
+        if self.actor is None:
+            return
+        self.actor.module.load_state_dict(load_part(folder, "model", self.load_key))
+        optim = load_part(folder, "optim", self.load_key)
+        self.actor.optimizer.load_state_dict(optim["optimizer"])
+        self.actor.scheduler.num_steps = 0  # Megatron's load_state_dict steps forward by the saved count
+        self.actor.scheduler.load_state_dict(optim["scheduler"])
+
+    # ------------------------------------------------------------------ save points
+    def save(self, step: int) -> None:
+        """Snapshot this rank's state for ``step`` and write it in the background (collective)."""
+        model = optim = None
+        if self.model_key is not None:
+            model = self.actor.module.state_dict()
+            optim = {"optimizer": self.actor.optimizer.state_dict(), "scheduler": self.actor.scheduler.state_dict()}
+        rank_state = {"rng": rng_state(), "parts": {k: v.state_dict() for k, v in self.parts.items()}}
+        self.saver.save(step, model, optim, rank_state, self.meta)
+        self.triggers.saved()
+
+    def step_end(self, step: int) -> None:
+        """At the end of a step that is not the last: commit a finished write, save if a save
+        point is due (collective).
+
+        Raises:
+            Preempted: a rank got SIGTERM/SIGUSR1; the checkpoint of ``step`` is committed.
+        """
+        self.saver.poll()
+        due, stop = self.triggers.check(step)
+        if due:
+            self.save(step)
+        if stop is not None:
+            self.saver.wait()
+            raise Preempted(step, stop)
+
+    def finish(self, step: int) -> None:
+        """After the last step: the final save (``checkpoint.save_final``), all writes committed."""
+        if self.cfg.checkpoint.save_final:
+            self.save(step)
+        self.saver.wait()
+        self.triggers.close()
+
+    # ------------------------------------------------------------------ rollback
+    def rollback(self) -> bool:
+        """Reload the policy (model, optimizer, scheduler) of the newest committed checkpoint.
+        Not collective (only trainers call it; they decide alike, from the same grad norm); a
+        write still in flight is not waited for. Data position, RNG and counters go on.
+        Returns False when there is none yet (the caller's skip stands)."""
+        folder = self.saver.committed or self.resumed_from
+        if folder is None:
+            log.warning("guard: no checkpoint to roll back to yet; the update is only skipped")
+            return False
+        self._load_policy(folder)
+        self.rollbacks += 1
+        log.warning("guard: rolled the policy back to %s", folder)
+        return True
+
+
+@dataclasses.dataclass
+class StatsPart:
+    """Adapter: a dataclass of counters (``LoadStats``) as a checkpoint part."""
+
+    stats: object
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self.stats)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self.stats, k, v)

@@ -1,0 +1,239 @@
+"""Export a trainer checkpoint as a self-contained Hugging Face folder.
+
+    python -m yatt.export CHECKPOINT OUT_DIR [--overwrite] [--max-shard-size 5GB] [--model-path DIR]
+
+``CHECKPOINT`` is a committed step directory (``<root>/step_000012``, holding ``meta.json`` and
+``model/tp{t}_pp{p}.pt``: the ``state_dict()`` of the GPTModel of TP rank t, pipeline stage p,
+stage-local layer numbers) or a checkpoint root whose ``latest`` file names one. The shards are
+merged with :mod:`yatt.trainer.hf_mapping` (the mapping the live weight sync uses) and written as
+safetensors (sharded with an index above ``--max-shard-size``) next to the base model's
+``config.json`` (``dtype`` / ``torch_dtype`` set to the checkpoint dtype), generation config,
+tokenizer files and chat template, so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and
+``vllm.LLM(OUT_DIR)`` load it as is. The folder is built under a temporary name beside
+``OUT_DIR`` and renamed into place when complete. Errors print ``yatt.export: <message>`` to
+stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from yatt.checkpoint import files
+from yatt.trainer.hf_mapping import (
+    Layout,
+    global_param_name,
+    layout_from_hf,
+    megatron_to_hf,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Files of the base model's folder that the exported folder needs besides the weights.
+ASSET_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "spiece.model", "vocab.txt")
+
+
+def read_meta(step_dir: Path) -> dict:
+    """``meta.json`` of a step directory, checked.
+
+    Raises:
+        FileNotFoundError: no ``meta.json``.
+        ValueError: unknown format, or a bad ``tp`` / ``pp`` / ``dtype`` / ``model_path``.
+    """
+    path = step_dir / "meta.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no meta.json in {step_dir}")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if meta.get("format") != files.FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this exporter reads {files.FORMAT}")
+    for key in ("tp", "pp"):
+        if not isinstance(meta.get(key), int) or meta[key] < 1:
+            raise ValueError(f"{path}: {key} must be a positive integer, got {meta.get(key)!r}")
+    if meta.get("dtype") not in DTYPES:
+        raise ValueError(f"{path}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
+    if not isinstance(meta.get("model_path"), str):
+        raise ValueError(f"{path}: model_path missing")  # noqa: TRY004 (a bad file, not a bad argument)
+    return meta
+
+
+def expected_hf_names(layout: Layout) -> set[str]:
+    """HF tensor names of a complete model of ``layout`` (tied: no ``lm_head.weight``)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not layout.tied_embeddings:
+        names.add("lm_head.weight")
+    kinds = ("weight", "bias") if layout.qkv_bias else ("weight",)
+    for i in range(layout.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight")}
+        names |= {f"{p}self_attn.{q}_proj.{k}" for q in "qkv" for k in kinds}
+    return names
+
+
+def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"missing model shard {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict")  # noqa: TRY004
+    return {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+
+
+def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict) -> dict[str, torch.Tensor]:
+    """Merge the model shards of a step directory into full HF tensors.
+
+    Loads one pipeline stage (its ``tp`` shard files, memory-mapped) at a time; the result is one
+    model copy of fresh contiguous CPU tensors.
+
+    Args:
+        step_dir: committed step directory.
+        meta: its ``meta.json`` (see :func:`read_meta`).
+        hf_config: the base model's ``config.json`` dict.
+    Returns:
+        HF name -> tensor, shapes as the HF model's (vocab padding stripped), in the checkpoint
+        dtype; with tied embeddings no ``lm_head.weight``.
+    Raises:
+        FileNotFoundError: a ``model/tp{t}_pp{p}.pt`` file is missing.
+        ValueError: TP ranks of a stage hold different names, a tensor's dtype is not the
+            checkpoint dtype, a weight appears twice, or weights are missing or unexpected.
+        KeyError: a name the mapping does not know.
+        NotImplementedError: a model type or feature :func:`layout_from_hf` cannot map.
+    """
+    tp, pp, dtype = meta["tp"], meta["pp"], DTYPES[meta["dtype"]]
+    layout = layout_from_hf(hf_config, tp)
+    out: dict[str, torch.Tensor] = {}
+    for stage in range(pp):
+        files = [step_dir / "model" / f"tp{t}_pp{stage}.pt" for t in range(tp)]
+        shards = [_load_shard(f) for f in files]
+        for f, s in zip(files[1:], shards[1:], strict=True):
+            if s.keys() != shards[0].keys():
+                diff = sorted(s.keys() ^ shards[0].keys())
+                raise ValueError(f"{f} and {files[0]} hold different parameters: {diff[:5]}")
+        for local, t0 in shards[0].items():
+            if t0.dtype != dtype:
+                raise ValueError(f"{files[0]}: {local} is {t0.dtype}, meta.json says {meta['dtype']}")
+            name = global_param_name(local, layout, pp, stage)
+            if pp > 1 and layout.tied_embeddings and name == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            for hf_name, t in megatron_to_hf(name, [s[local] for s in shards], layout):
+                if hf_name in out:
+                    raise ValueError(f"{hf_name} appears twice (stage {stage}: {name})")
+                out[hf_name] = t.clone(memory_format=torch.contiguous_format)  # own storage, off the mmap
+        del shards
+    expected = expected_hf_names(layout)
+    if missing := expected - out.keys():
+        raise ValueError(f"checkpoint {step_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+    if extra := out.keys() - expected:
+        raise ValueError(f"checkpoint {step_dir} has weights that a {layout.num_layers}-layer model does not: "
+                         f"{sorted(extra)[:5]}")
+    return out
+
+
+def _write_folder(folder: Path, state: dict[str, torch.Tensor], hf_config: dict, dtype: str, model_path: Path,
+                  max_shard_size: int | str) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    # split_torch_state_dict_into_shards + safetensors save_file + model.safetensors.index.json
+    save_torch_state_dict(state, folder, max_shard_size=max_shard_size)
+    config = dict(hf_config, dtype=dtype, torch_dtype=dtype)  # transformers 5 reads "dtype", older "torch_dtype"
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in ASSET_FILES:
+        if (model_path / name).is_file():
+            shutil.copyfile(model_path / name, folder / name)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False, *,
+                      max_shard_size: int | str = "5GB", model_path: str | Path | None = None) -> Path:
+    """Write the model of a checkpoint as an HF folder (safetensors, config, tokenizer).
+
+    Args:
+        checkpoint: step directory or checkpoint root (its ``latest`` is followed).
+        out_dir: destination; must not exist or be empty unless ``overwrite``.
+        overwrite: replace an existing non-empty ``out_dir`` (only once the export succeeded).
+        max_shard_size: safetensors shard size (bytes or a string such as ``"5GB"``); above it
+            the weights are split into ``model-0000i-of-0000n.safetensors`` + index.
+        model_path: folder with the base model's config and tokenizer, instead of
+            ``meta["model_path"]`` (a checkpoint moved to another machine).
+    Returns:
+        ``out_dir`` as a Path.
+    Raises:
+        FileNotFoundError / ValueError: see :func:`resolve_step_dir`, :func:`read_meta`,
+            :func:`hf_state_dict`; no ``config.json`` in the model path.
+        FileExistsError: ``out_dir`` is a non-empty directory (without ``overwrite``) or a file.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} is not empty (pass --overwrite to replace it)")
+    step = files.resolve(checkpoint)
+    meta = read_meta(step)
+    base = Path(model_path if model_path is not None else meta["model_path"])
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in the base model folder {base} (use --model-path)")
+    hf_config = json.loads((base / "config.json").read_text())
+    state = hf_state_dict(step, meta, hf_config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        _write_folder(tmp, state, hf_config, meta["dtype"], base, max_shard_size)
+        del state
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():  # safetensors writes 0600, mkdtemp makes 0700: use the umask like any file
+            os.chmod(f, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        old = None
+        if out.is_dir() and any(out.iterdir()):  # overwrite: move the old folder aside, swap, delete it
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+        elif out.is_dir():
+            out.rmdir()
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None:  # put the old folder back
+                os.replace(old / out.name, out)
+                old.rmdir()
+            raise
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (0, or 2 with a message on stderr)."""
+    parser = argparse.ArgumentParser(prog="python -m yatt.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="step directory (step_000012) or checkpoint root with a latest file")
+    parser.add_argument("out_dir", help="HF folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("--model-path", default=None, help="base model folder instead of meta.json's model_path")
+    args = parser.parse_args(argv)
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, args.overwrite, max_shard_size=size,
+                                model_path=args.model_path)
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        print(f"yatt.export: {e}", file=sys.stderr)
+        return 2
+    print(f"yatt.export: wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
