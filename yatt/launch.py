@@ -143,9 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     from yatt.checkpoint.triggers import EXIT_PREEMPTED, Preempted
     from yatt.loop import run
 
+    watchdog = None
+    if cfg.fault.watchdog:  # a dead or hung rank ends the job within fault.timeout_s, named
+        from yatt.watchdog import Watchdog
+
+        watchdog = Watchdog(info.rank, info.world_size, cfg.fault.timeout_s)
+        watchdog.start()
+        watchdog.phase("startup", 0)
     code = 0
     try:
-        run(cfg, info)
+        run(cfg, info, watchdog)
     except Preempted as e:  # every rank: the checkpoint is committed
         logging.getLogger("yatt").warning("%s; exiting with code %d (resume=auto continues)", e, EXIT_PREEMPTED)
         code = EXIT_PREEMPTED
@@ -162,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     import torch.distributed as dist
 
+    if watchdog is not None:
+        watchdog.stop()  # before the process group (and rank 0's store) goes away
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

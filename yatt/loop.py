@@ -38,8 +38,9 @@ _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sam
 _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max")  # max over ranks
 
 
-def run(cfg: Config, info: RankInfo) -> list[dict]:
-    """Train for ``cfg.trainer.total_steps`` steps; returns rank 0's metric records."""
+def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
+    """Train for ``cfg.trainer.total_steps`` steps; returns rank 0's metric records. ``watchdog``
+    (a :class:`yatt.watchdog.Watchdog`) is told each phase, so a hang is reported with it."""
     from transformers import AutoTokenizer
 
     from yatt.rollout.vllm_engine import SamplingSpec, VLLMEngine
@@ -77,6 +78,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
     guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled else None
     sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds)
                if cfg.algo.dynamic_sampling else None)
+    phase = watchdog.phase if watchdog is not None else lambda name, step: None
+    phase("engines", 0)
     placement.start()
     ckpt = RunCheckpoints(cfg, info.rank, actor, _dp_rank(placement.train_group),
                           parts={"shard": shard, "data_stats": StatsPart(train_rows.stats), "guard": guard,
@@ -90,7 +93,11 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
         placement.close()
         return []
     writer = MetricsWriter(cfg.output_dir, info.rank, resume_step=start)
-    records = [] if start else [_eval_record(0, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer)]
+
+    def evaluate_at(step: int) -> dict:
+        return _eval_record(step, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer, phase)
+
+    records = [] if start else [evaluate_at(0)]
     if start:
         placement.sync(actor, PhaseTimer())  # the engines serve the resumed policy
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
@@ -115,7 +122,8 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
 
     for step in tqdm(range(start + 1, t.total_steps + 1), desc="steps", initial=start, total=t.total_steps,
                      disable=info.rank != 0, dynamic_ncols=True):
-        timer, t0, sums = PhaseTimer(), time.perf_counter(), {}
+        timer, t0, sums = PhaseTimer(on_enter=lambda name: phase(name, step)), time.perf_counter(), {}
+        phase("rollout", step)
         groups, rewards = sample_round(step, 0, timer, sums)
         if sampler is not None:  # DAPO: drop groups with equal rewards, sample more until the batch is full
             groups, rewards, more = sampler.fill(groups, rewards, lambda r: sample_round(step, r, timer, sums))
@@ -136,6 +144,7 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
             sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
         sums["data_rows_skipped"] = (float(sum(train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
         placement.sync(actor, timer)
+        phase("step end", step)
         idle = sums.pop("idle_s")[0] + _wait_for_peers()  # a rank with nothing left waits here
         timer.times["time_step_s"] = time.perf_counter() - t0
         sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
@@ -149,10 +158,11 @@ def run(cfg: Config, info: RankInfo) -> list[dict]:
         if info.rank == 0:
             tqdm.write(_line(record))
         if cfg.eval.every and step % cfg.eval.every == 0 and step != t.total_steps:
-            records.append(_eval_record(step, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer))
+            records.append(evaluate_at(step))
         if step != t.total_steps:
+            phase("checkpoint", step)
             ckpt.step_end(step)  # save points; raises Preempted after a signal's save
-    records.append(_eval_record(t.total_steps, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer))
+    records.append(evaluate_at(t.total_steps))
     ckpt.finish(t.total_steps)
     placement.close()
     return records
@@ -258,7 +268,9 @@ def _merge(sums: dict, more: dict) -> None:
         sums[k] = (max(a, v), 1.0) if k in _MAXIMA else (a + v, b + c)
 
 
-def _eval_record(step, placement, actor, rows, reward_fn, tokenizer, cfg: Config, writer: MetricsWriter) -> dict:
+def _eval_record(step, placement, actor, rows, reward_fn, tokenizer, cfg: Config, writer: MetricsWriter,
+                 phase=lambda name, step: None) -> dict:
+    phase("eval", step)
     with placement.eval_engine(actor) as engine:
         record = {"step": step, **evaluate(engine, rows, reward_fn, tokenizer, cfg.eval.max_tokens)}
     writer.write(record)

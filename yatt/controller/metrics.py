@@ -22,13 +22,16 @@ class PhaseTimer:
     (``mem_peak_<phase>_gib``, sampled every ``interval_s`` by a background thread) per phase.
     """
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self, interval_s: float = 0.05, on_enter=None) -> None:
         self.times: dict[str, float] = {}
         self.peaks: dict[str, float] = {}
         self.interval_s = interval_s
+        self.on_enter = on_enter  # called with the phase name as it starts (e.g. the watchdog's phase)
 
     @contextmanager
     def __call__(self, phase: str):
+        if self.on_enter is not None:
+            self.on_enter(phase)
         proc, peak, done = psutil.Process(), [0], threading.Event()
 
         def sample() -> None:
