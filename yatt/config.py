@@ -158,10 +158,14 @@ class CheckpointConfig(_Section):
 
 class FaultConfig(_Section):
     """Dead or hung ranks (:class:`yatt.watchdog.Watchdog`): every rank sends heartbeats; a rank
-    silent for ``timeout_s`` ends the job with a message naming it and its last phase."""
+    silent for ``timeout_s`` (or, with ``stall_s``, stuck in one phase that long) ends the job
+    with a message naming it and its last phase."""
 
     watchdog: bool = True
     timeout_s: float = Field(60.0, gt=0)
+    # also end the job when a rank's phase has not changed for this long (alive but stuck, e.g. a
+    # deadlock); must exceed the longest phase. None: off
+    stall_s: float | None = Field(None, gt=0)
 
 
 class EvalConfig(_Section):

@@ -114,15 +114,15 @@ def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict) -> dict[str, torc
     layout = layout_from_hf(hf_config, tp)
     out: dict[str, torch.Tensor] = {}
     for stage in range(pp):
-        files = [step_dir / "model" / f"tp{t}_pp{stage}.pt" for t in range(tp)]
-        shards = [_load_shard(f) for f in files]
-        for f, s in zip(files[1:], shards[1:], strict=True):
+        paths = [step_dir / "model" / f"tp{t}_pp{stage}.pt" for t in range(tp)]
+        shards = [_load_shard(f) for f in paths]
+        for f, s in zip(paths[1:], shards[1:], strict=True):
             if s.keys() != shards[0].keys():
                 diff = sorted(s.keys() ^ shards[0].keys())
-                raise ValueError(f"{f} and {files[0]} hold different parameters: {diff[:5]}")
+                raise ValueError(f"{f} and {paths[0]} hold different parameters: {diff[:5]}")
         for local, t0 in shards[0].items():
             if t0.dtype != dtype:
-                raise ValueError(f"{files[0]}: {local} is {t0.dtype}, meta.json says {meta['dtype']}")
+                raise ValueError(f"{paths[0]}: {local} is {t0.dtype}, meta.json says {meta['dtype']}")
             name = global_param_name(local, layout, pp, stage)
             if pp > 1 and layout.tied_embeddings and name == "output_layer.weight":
                 continue  # the last stage's copy of the tied embedding
@@ -168,7 +168,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
     Returns:
         ``out_dir`` as a Path.
     Raises:
-        FileNotFoundError / ValueError: see :func:`resolve_step_dir`, :func:`read_meta`,
+        FileNotFoundError / ValueError: see :func:`yatt.checkpoint.files.resolve`, :func:`read_meta`,
             :func:`hf_state_dict`; no ``config.json`` in the model path.
         FileExistsError: ``out_dir`` is a non-empty directory (without ``overwrite``) or a file.
     """

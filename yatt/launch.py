@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.fault.watchdog:  # a dead or hung rank ends the job within fault.timeout_s, named
         from yatt.watchdog import Watchdog
 
-        watchdog = Watchdog(info.rank, info.world_size, cfg.fault.timeout_s)
+        watchdog = Watchdog(info.rank, info.world_size, cfg.fault.timeout_s, stall_s=cfg.fault.stall_s)
         watchdog.start()
         watchdog.phase("startup", 0)
     code = 0
