@@ -738,9 +738,9 @@ def test_rollback_restores_model_optimizer_and_schedule(tiny_llama, make_ckpt):
 
 
 def test_rollback_weights_and_adam_state(tiny_llama, make_ckpt):
-    """The part of rollback that works today (model, Adam moments and step counts), with
-    in-place optimizer updates after a rollback not reaching the checkpoint's files (they are
-    loaded memory-mapped)."""
+    """Repeated rollbacks restore the model, Adam moments and step counts each time; in-place
+    optimizer updates after a rollback do not reach the checkpoint's files (they are loaded
+    memory-mapped, copy-on-write)."""
     policy = _policy(tiny_llama)
     policy.train_step(_batches(0), ref.sum_logprob_loss)
     policy.train_step(_batches(1), ref.sum_logprob_loss)
@@ -808,3 +808,22 @@ def test_resume_restores_policy_parts_and_rng(tiny_llama, make_ckpt):
         make_ckpt(policy, {}, resume=str(ck.root / "step_000099")).resume()
     with pytest.raises(ValueError, match="'resume'.*'world': 1.*'world': 2"):
         make_ckpt(policy, {}, world=2).resume()
+
+
+def test_bf16_policy_rollback_restores_weights_and_fp32_main_params(tiny_llama, make_ckpt):
+    """bf16: Megatron's Float16 optimizer keeps fp32 main params beside the bf16 model; both come back."""
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+
+    policy = MegatronPolicy(tiny_llama, optim=OptimConfig(lr=1e-3, total_steps=6), dtype=torch.bfloat16)
+    policy.train_step(_batches(0), ref.sum_logprob_loss)
+    model = {k: v.clone() for k, v in policy.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    main = [p.clone() for group in policy.optimizer.state_dict()["fp32_from_fp16_params"] for p in group]
+    ck = make_ckpt(policy, {})
+    ck.save(1)
+    ck.saver.wait()
+    policy.train_step(_batches(1), ref.sum_logprob_loss)
+    assert any(not torch.equal(v, model[k]) for k, v in policy.module.state_dict().items() if k in model)
+    assert ck.rollback() is True
+    assert all(torch.equal(v, model[k]) for k, v in policy.module.state_dict().items() if k in model)
+    now = [p for group in policy.optimizer.state_dict()["fp32_from_fp16_params"] for p in group]
+    assert len(now) == len(main) > 0 and all(torch.equal(a, b) for a, b in zip(now, main))
