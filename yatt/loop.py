@@ -20,6 +20,7 @@ from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.checkpoint.run_state import RunCheckpoints, StatsPart
+from yatt.checkpoint.triggers import Preempted
 from yatt.config import Config
 from yatt.controller.batch import make_samples, pack_micro_batches
 from yatt.controller.dynamic_sampling import DynamicSampler
@@ -161,7 +162,9 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
             records.append(evaluate_at(step))
         if step != t.total_steps:
             phase("checkpoint", step)
-            ckpt.step_end(step)  # save points; raises Preempted after a signal's save
+            if stop := ckpt.step_end(step):  # a signal's checkpoint is committed: every rank stops here
+                placement.close()
+                raise Preempted(step, stop)
     records.append(evaluate_at(t.total_steps))
     ckpt.finish(t.total_steps)
     placement.close()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from yatt.checkpoint import files
 from yatt.checkpoint.saver import Checkpointer, load_part
-from yatt.checkpoint.triggers import Preempted, SaveTriggers
+from yatt.checkpoint.triggers import SaveTriggers
 
 log = logging.getLogger("yatt")
 
@@ -138,20 +138,17 @@ class RunCheckpoints:
         self.saver.save(step, model, optim, rank_state, self.meta)
         self.triggers.saved()
 
-    def step_end(self, step: int) -> None:
+    def step_end(self, step: int) -> str | None:
         """At the end of a step that is not the last: commit a finished write, save if a save
-        point is due (collective).
-
-        Raises:
-            Preempted: a rank got SIGTERM/SIGUSR1; the checkpoint of ``step`` is committed.
-        """
+        point is due (collective). Returns the name of the signal that asks the run to stop
+        (SIGTERM/SIGUSR1 on some rank; the checkpoint of ``step`` is then committed), else None."""
         self.saver.poll()
         due, stop = self.triggers.check(step)
         if due:
             self.save(step)
         if stop is not None:
             self.saver.wait()
-            raise Preempted(step, stop)
+        return stop
 
     def finish(self, step: int) -> None:
         """After the last step: the final save (``checkpoint.save_final``), all writes committed."""
