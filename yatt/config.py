@@ -115,8 +115,8 @@ class GuardConfig(_Section):
     """Stability guard (:class:`yatt.algos.guard.StabilityGuard`): an optimizer step whose pre-clip
     grad norm is non-finite, or above ``spike_factor`` x the median of the last ``window`` applied
     steps (once ``min_history`` exist), is skipped and counted (``guard_skipped_updates``). With
-``action: rollback`` the policy (model, optimizer, LR schedule) is then reloaded from the newest
-complete checkpoint (``guard_rollbacks``); data position and RNG go on."""
+    ``action: rollback`` the policy (model, optimizer, LR schedule) is then reloaded from the newest
+    complete checkpoint (``guard_rollbacks``); data position and RNG go on."""
 
     enabled: bool = True
     action: Literal["skip", "rollback"] = "skip"  # rollback: also reload the last checkpoint's policy

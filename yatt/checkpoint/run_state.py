@@ -113,7 +113,10 @@ class RunCheckpoints:
         state = load_part(folder, "rank", f"{self.rank:05d}")
         set_rng_state(state["rng"])
         for name, part in self.parts.items():
-            part.load_state_dict(state["parts"][name])
+            if name in state["parts"]:
+                part.load_state_dict(state["parts"][name])
+            else:  # e.g. dynamic sampling switched on for the resumed run
+                log.warning("checkpoint %s has no %r state; it starts fresh", folder, name)
         self.resumed_from = folder
         log.info("resumed from %s (step %d)", folder, meta["step"])
         return int(meta["step"])
