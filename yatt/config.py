@@ -24,80 +24,90 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = "smollm2-135m-instruct"  # packaged model name or local HF folder
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    path: str = Field("smollm2-135m-instruct", description="packaged model name or local HF folder")
+    dtype: Literal["float32", "bfloat16"] = Field("float32",
+        description="parameter dtype of the trainer and the rollout engine")
 
 
 class DataConfig(_Section):
-    source: Literal["reasoning_gym", "file"] = "reasoning_gym"
-    task: str = "basic_arithmetic"  # reasoning-gym task: generator and scorer
-    task_config: dict[str, Any] = Field(default_factory=dict)
-    train_size: int = Field(1000, gt=0)
-    eval_size: int = Field(64, ge=0)
-    seed: int = 0
-    train_files: list[str] = Field(default_factory=list)  # jsonl/parquet, source=file
-    eval_files: list[str] = Field(default_factory=list)
-    question_key: str = "question"
-    answer_key: str = "answer"
-    system_prompt: str = ""
-    max_prompt_len: int = Field(256, gt=0)  # tokens after the chat template
+    source: Literal["reasoning_gym", "file"] = Field("reasoning_gym",
+        description="reasoning_gym: generated task rows; file: jsonl/parquet files")
+    task: str = Field("basic_arithmetic", description="reasoning-gym task: generator and scorer")
+    task_config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reasoning-gym task")
+    train_size: int = Field(1000, gt=0, description="reasoning-gym rows generated for training")
+    eval_size: int = Field(64, ge=0,
+        description="reasoning-gym rows generated for the held-out eval (those also in training are dropped)")
+    seed: int = Field(0, description="seed of the generated rows")
+    train_files: list[str] = Field(default_factory=list, description="jsonl/parquet train files, source=file")
+    eval_files: list[str] = Field(default_factory=list, description="jsonl/parquet eval files, source=file")
+    question_key: str = Field("question", description="field of a file row holding the prompt")
+    answer_key: str = Field("answer", description="field of a file row holding the reference answer")
+    system_prompt: str = Field("", description="system message before each prompt (empty: the chat template's default)")
+    max_prompt_len: int = Field(256, gt=0,
+        description="most prompt tokens after the chat template (longer rows are skipped)")
 
 
 class RolloutConfig(_Section):
-    n: int = Field(4, gt=0)  # samples per prompt (GRPO group size)
-    max_tokens: int = Field(64, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    tp: Literal[1] = 1  # each rank's engine serves its own prompts (rollout TP > 1: not yet)
-    max_model_len: int = Field(512, gt=0)
-    kv_cache_memory_bytes: int = Field(256 << 20, gt=0)
+    n: int = Field(4, gt=0, description="samples per prompt (GRPO group size)")
+    max_tokens: int = Field(64, gt=0, description="most response tokens per sample")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold")
+    tp: Literal[1] = Field(1, description="each rank's engine serves its own prompts (rollout TP > 1: not yet)")
+    max_model_len: int = Field(512, gt=0, description="vLLM context length (prompt + response tokens)")
+    kv_cache_memory_bytes: int = Field(256 << 20, gt=0, description="vLLM KV-cache size per engine, bytes")
 
 
 class GenRMConfig(_Section):
-    model: str = "qwen2.5-coder-0.5b-instruct"  # packaged judge name or local HF folder
-    template: str = "correctness_yesno"  # built-in template name or a file path
-    mode: Literal["verdict", "prob"] = "prob"  # parse the judge's text, or P(yes) of its first token
-    k: int = Field(1, gt=0)  # judgements per response, averaged
-    max_tokens: int = Field(64, gt=0)
-    temperature: float = Field(0.0, ge=0)
-    timeout_s: float = Field(120.0, gt=0)  # unfinished judge requests are aborted, scored unparsable
-    unparsable_score: float = Field(0.0, ge=0, le=1)
-    weight: float = Field(0.5, ge=0, le=1)  # genrm_with_rule: (1 - weight) * rule + weight * genrm
-    max_model_len: int = Field(1024, gt=0)
-    kv_cache_memory_bytes: int = Field(256 << 20, gt=0)
+    model: str = Field("qwen2.5-coder-0.5b-instruct", description="packaged judge name or local HF folder")
+    template: str = Field("correctness_yesno", description="built-in template name or a file path")
+    mode: Literal["verdict", "prob"] = Field("prob", description="parse the judge's text, or P(yes) of its first token")
+    k: int = Field(1, gt=0, description="judgements per response, averaged")
+    max_tokens: int = Field(64, gt=0, description="most tokens of one judgement")
+    temperature: float = Field(0.0, ge=0, description="judge sampling temperature (0: greedy)")
+    timeout_s: float = Field(120.0, gt=0, description="unfinished judge requests are aborted, scored unparsable")
+    unparsable_score: float = Field(0.0, ge=0, le=1, description="score of a judgement with no usable verdict")
+    weight: float = Field(0.5, ge=0, le=1, description="genrm_with_rule: (1 - weight) * rule + weight * genrm")
+    max_model_len: int = Field(1024, gt=0, description="judge engine context length")
+    kv_cache_memory_bytes: int = Field(256 << 20, gt=0, description="judge engine KV-cache size, bytes")
 
 
 class RewardConfig(_Section):
-    type: Literal["rule", "genrm", "genrm_with_rule"] = "rule"
-    extract: Literal["answer_tag", "answer_tag_or_last_number"] = "answer_tag_or_last_number"
-    genrm: GenRMConfig = Field(default_factory=GenRMConfig)
+    type: Literal["rule", "genrm", "genrm_with_rule"] = Field("rule",
+        description="rule: the task's scorer; genrm: the judge; genrm_with_rule: a weighted mix")
+    extract: Literal["answer_tag", "answer_tag_or_last_number"] = Field("answer_tag_or_last_number",
+        description="how the answer is read from a response for the rule reward")
+    genrm: GenRMConfig = Field(default_factory=GenRMConfig, description="the generative reward model (judge)")
 
 
 class PlacementConfig(_Section):
-    # colocate: every phase on every rank in turn; partial_colocate: samplers and GenRM ranks
-    # work at the same time, training on all ranks; disaggregated: GenRM ranks only judge.
-    mode: Literal["colocate", "partial_colocate", "disaggregated"] = "colocate"
-    genrm_ranks: int | Literal["auto"] = 1  # auto: ternary search (partial_colocate)
-    auto_repeats: int = Field(1, gt=0)  # steps measured per candidate split under auto
+    mode: Literal["colocate", "partial_colocate", "disaggregated"] = Field("colocate",
+        description="colocate: every phase on every rank in turn; partial_colocate: samplers and GenRM "
+                    "ranks work at the same time, training on all ranks; disaggregated: GenRM ranks only judge")
+    genrm_ranks: int | Literal["auto"] = Field(1,
+        description="GenRM ranks of a split placement; auto: ternary search of the split (partial_colocate)")
+    auto_repeats: int = Field(1, gt=0, description="steps measured per candidate split under auto")
 
 
 class AlgoConfig(_Section):
-    name: Literal["grpo"] = "grpo"
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.28, ge=0)  # DAPO's clip-higher
-    kl_coef: float = Field(0.0, ge=0)  # 0: no reference model is loaded
-    # False: old logprobs are the engine's rollout logprobs (exact on-policy when the synced
-    # engine matches the trainer, see logprob_diff_rollout_vs_train) and the trainer's extra
-    # forward pass is skipped.
-    recompute_old_logprobs: bool = True
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    norm_adv_by_std: bool = True
-    ppo_epochs: int = Field(1, gt=0)
-    mini_batches: int = Field(1, gt=0)  # optimizer steps per epoch over the rollout batch
-    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until
-    # the step has trainer.prompts_per_rank * world groups, at most max_sampling_rounds extra rounds.
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = Field(2, ge=0)
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio floor 1 - clip_ratio_low")
+    clip_ratio_high: float = Field(0.28, ge=0,
+        description="PPO clip: ratio ceiling 1 + clip_ratio_high (DAPO's clip-higher)")
+    kl_coef: float = Field(0.0, ge=0,
+        description="weight of the KL term to the reference model (0: no reference model is loaded)")
+    recompute_old_logprobs: bool = Field(True,
+        description="false: old logprobs are the engine's rollout logprobs (exact on-policy when the synced engine "
+                    "matches the trainer, see logprob_diff_rollout_vs_train) and the trainer's extra forward pass is "
+                    "skipped")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3",
+        description="KL estimator of the KL term (Schulman's k1/k2/k3)")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group's std")
+    ppo_epochs: int = Field(1, gt=0, description="passes over the step's rollout batch")
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch")
+    dynamic_sampling: bool = Field(False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the "
+                    "step has trainer.prompts_per_rank * world groups")
+    max_sampling_rounds: int = Field(2, ge=0, description="dynamic sampling: extra rounds per step at most")
 
 
 class BalanceConfig(_Section):
@@ -105,10 +115,10 @@ class BalanceConfig(_Section):
     data-parallel ranks by cost ``cost_linear * L + cost_quadratic * L**2`` (L = prompt + response
     tokens; (1, 0) balances tokens, a small quadratic term models attention FLOPs)."""
 
-    enabled: bool = True
-    cost_linear: float = Field(1.0, ge=0)
-    cost_quadratic: float = Field(0.0, ge=0)
-    equal_count: bool = False  # equal sequence counts per rank (fixed micro-batch shapes)
+    enabled: bool = Field(True, description="re-partition each mini-batch's sequences across DP ranks by cost")
+    cost_linear: float = Field(1.0, ge=0, description="cost per token (a in a*L + b*L^2)")
+    cost_quadratic: float = Field(0.0, ge=0, description="cost per squared length (b; models attention FLOPs)")
+    equal_count: bool = Field(False, description="equal sequence counts per rank (fixed micro-batch shapes)")
 
 
 class GuardConfig(_Section):
@@ -118,42 +128,48 @@ class GuardConfig(_Section):
     ``action: rollback`` the policy (model, optimizer, LR schedule) is then reloaded from the newest
     complete checkpoint (``guard_rollbacks``); data position and RNG go on."""
 
-    enabled: bool = True
-    action: Literal["skip", "rollback"] = "skip"  # rollback: also reload the last checkpoint's policy
-    spike_factor: float = Field(10.0, gt=1)
-    window: int = Field(20, gt=0)
-    min_history: int = Field(5, gt=0)
+    enabled: bool = Field(True, description="skip optimizer steps with a non-finite or spiking grad norm")
+    action: Literal["skip", "rollback"] = Field("skip",
+        description="skip: skip the update; rollback: also reload the newest checkpoint's policy")
+    spike_factor: float = Field(10.0, gt=1, description="a grad norm above this x the running median is a spike")
+    window: int = Field(20, gt=0, description="applied steps the running median covers")
+    min_history: int = Field(5, gt=0, description="applied steps needed before spikes are judged")
 
 
 class TrainerConfig(_Section):
-    total_steps: int = Field(20, gt=0)
-    prompts_per_rank: int = Field(4, gt=0)  # controller shard's prompts per step
-    tp: int = Field(1, gt=0)
-    pp: int = Field(1, gt=0)  # pipeline stages (must divide the layers); DP = world / (tp * pp)
-    micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one micro-batch
-    lr: float = Field(1e-6, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    clip_grad: float = Field(1.0, gt=0)
-    sync_bucket_mb: float = Field(512, gt=0)  # weight sync: MiB of HF tensors resharded and pushed at a time
-    balance: BalanceConfig = Field(default_factory=BalanceConfig)
-    guard: GuardConfig = Field(default_factory=GuardConfig)
+    total_steps: int = Field(20, gt=0, description="RL steps of the run")
+    prompts_per_rank: int = Field(4, gt=0, description="controller shard's prompts per step")
+    tp: int = Field(1, gt=0, description="tensor-parallel size of the trainer")
+    pp: int = Field(1, gt=0, description="pipeline stages (must divide the layers); DP = world / (tp * pp)")
+    micro_batch_tokens: int = Field(4096, gt=0, description="token budget of one micro-batch")
+    lr: float = Field(1e-6, gt=0, description="peak learning rate (AdamW)")
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the end of the cosine decay")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, description="AdamW beta2")
+    clip_grad: float = Field(1.0, gt=0, description="global grad-norm clipping threshold")
+    sync_bucket_mb: float = Field(512, gt=0,
+        description="weight sync: MiB of HF tensors resharded and pushed at a time")
+    balance: BalanceConfig = Field(default_factory=BalanceConfig, description="DP balancing")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="stability guard")
 
 
 class CheckpointConfig(_Section):
     """Async checkpoints (:mod:`yatt.checkpoint`): save points, retention, where."""
 
-    dir: str | None = None  # default <output_dir>/checkpoints; shared by all ranks
-    every_steps: int = Field(0, ge=0)  # save every N steps (0: not by count)
-    every_minutes: float = Field(30.0, ge=0)  # and when this much time passed since the last save (0: not by time)
-    save_final: bool = True  # save after the last step
-    on_signals: list[Literal["SIGTERM", "SIGUSR1"]] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    keep_last: int = Field(2, gt=0)  # retention: the newest K ...
-    keep_every: int = Field(0, ge=0)  # ... plus every checkpoint at a multiple of M steps (0: none)
-    async_save: bool = True  # write in a background thread (false: the step waits for the write)
+    dir: str | None = Field(None,
+        description="checkpoint folder, shared by all ranks (default <output_dir>/checkpoints)")
+    every_steps: int = Field(0, ge=0, description="save every N steps (0: not by count)")
+    every_minutes: float = Field(30.0, ge=0,
+        description="save when this many minutes passed since the last save (0: not by time)")
+    save_final: bool = Field(True, description="save after the last step")
+    on_signals: list[Literal["SIGTERM", "SIGUSR1"]] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        description="signals that save and stop the run (exit code 75)")
+    keep_last: int = Field(2, gt=0, description="retention: keep the newest K checkpoints")
+    keep_every: int = Field(0, ge=0,
+        description="retention: also keep every checkpoint at a multiple of M steps (0: none)")
+    async_save: bool = Field(True, description="write in a background thread (false: the step waits for the write)")
 
 
 class FaultConfig(_Section):
@@ -161,34 +177,39 @@ class FaultConfig(_Section):
     silent for ``timeout_s`` (or, with ``stall_s``, stuck in one phase that long) ends the job
     with a message naming it and its last phase."""
 
-    watchdog: bool = True
-    timeout_s: float = Field(60.0, gt=0)
-    # also end the job when a rank's phase has not changed for this long (alive but stuck, e.g. a
-    # deadlock); must exceed the longest phase. None: off
-    stall_s: float | None = Field(None, gt=0)
+    watchdog: bool = Field(True, description="heartbeats between ranks; a dead or hung rank ends the job")
+    timeout_s: float = Field(60.0, gt=0, description="a rank silent this long ends the job (seconds)")
+    stall_s: float | None = Field(None, gt=0,
+        description="also end the job when a rank's phase has not changed for this long (alive but stuck, e.g. a "
+                    "deadlock); must exceed the longest phase. None: off")
 
 
 class EvalConfig(_Section):
-    max_tokens: int = Field(64, gt=0)
-    every: int = Field(0, ge=0)  # also evaluate every N steps (0: before and after only)
+    max_tokens: int = Field(64, gt=0, description="most response tokens per eval prompt (greedy)")
+    every: int = Field(0, ge=0, description="also evaluate every N steps (0: before and after only)")
 
 
 class Config(_Section):
-    seed: int = 0
-    output_dir: str = "runs/default"
-    overwrite: bool = False  # start over in an output_dir that already holds a run (its checkpoints are deleted)
-    resume: str = "auto"  # auto: from the newest complete checkpoint if any; none: fresh; or a checkpoint path
-    threads_per_rank: int | None = Field(None, gt=0)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    placement: PlacementConfig = Field(default_factory=PlacementConfig)
-    algo: AlgoConfig = Field(default_factory=AlgoConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    fault: FaultConfig = Field(default_factory=FaultConfig)
+    seed: int = Field(0, description="seed of sampling, data order and engines")
+    output_dir: str = Field("runs/default", description="metrics.jsonl, config.yaml and checkpoints go here")
+    overwrite: bool = Field(False,
+        description="start over in an output_dir that already holds a run (its checkpoints are deleted)")
+    resume: str = Field("auto",
+        description="auto: from the newest complete checkpoint if any; none: fresh; or a checkpoint path")
+    threads_per_rank: int | None = Field(None, gt=0,
+        description="torch/OpenMP threads per rank (default: cores / local ranks)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy")
+    data: DataConfig = Field(default_factory=DataConfig, description="prompts")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling with vLLM")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="rule reward and GenRM")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig,
+        description="where rollout, GenRM and training run")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="the RL algorithm")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Megatron-Core training")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+        description="async checkpoints and save points")
+    fault: FaultConfig = Field(default_factory=FaultConfig, description="dead and hung ranks")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

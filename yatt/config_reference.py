@@ -1,0 +1,103 @@
+"""The config reference, generated from the typed config (:mod:`yatt.config`).
+
+    python -m yatt.config_reference            # (re)write docs/config.md
+    python -m yatt.config_reference --check    # exit 1 if docs/config.md is out of date
+
+Every key of a recipe, with its type, default, allowed range and meaning (each field's
+``description``), one table per section in the order of :class:`yatt.config.Config`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+
+import annotated_types
+from pydantic import BaseModel
+
+from yatt.config import Config
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+_BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="), (annotated_types.Lt, "lt", "<"),
+           (annotated_types.Le, "le", "<="))
+
+
+def _type(ann) -> str:
+    """A recipe writer's name for a field type: ``int``, ``float or null``, ``one of "a", "b"``."""
+    if typing.get_origin(ann) is typing.Literal:
+        return "one of " + ", ".join(json.dumps(a) for a in typing.get_args(ann))
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type(a) for a in typing.get_args(ann))
+    if typing.get_origin(ann) is list:
+        return f"list of ({_type(typing.get_args(ann)[0])})"
+    if typing.get_origin(ann) is dict:
+        return "mapping"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _markdown(rst: str) -> str:
+    """A docstring paragraph in Markdown: one line, ``x`` and :role:`x` as `x`."""
+    return re.sub(r":\w+:`", "`", " ".join(rst.split()).replace("``", "`"))
+
+
+def _range(field) -> str:
+    return ", ".join(f"{sign} {getattr(m, attr)}" for m in field.metadata for kind, attr, sign in _BOUNDS
+                     if isinstance(m, kind))
+
+
+def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
+    out = [(prefix, model)]
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out += _sections(field.annotation, f"{prefix}{name}.")
+    return out
+
+
+def render() -> str:
+    """The Markdown of docs/config.md.
+
+    Raises:
+        ValueError: a field has no ``description``.
+    """
+    lines = ["# Config reference", "",
+             "Generated from `yatt/config.py` by `python -m yatt.config_reference`; do not edit by hand.",
+             "Set any key in a YAML recipe or on the command line (`trainer.total_steps=5`).", ""]
+    for prefix, model in _sections(Config):
+        title = prefix.rstrip(".") or "top level"
+        lines += [f"## `{title}`", ""]
+        if prefix and model.__doc__:
+            lines += [_markdown(model.__doc__), ""]
+        lines += ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                continue
+            if not field.description:
+                raise ValueError(f"config key '{prefix}{name}' has no description")
+            default = json.dumps(field.get_default(call_default_factory=True))
+            lines.append(f"| `{prefix}{name}` | {_type(field.annotation)} | `{default}` | {_range(field)} | "
+                         f"{field.description.replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m yatt.config_reference", description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is out of date")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        if not DOC.is_file() or DOC.read_text() != text:
+            print(f"{DOC} is out of date: run python -m yatt.config_reference", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
