@@ -17,7 +17,13 @@ def load_records(run_dir: str | Path) -> list[dict]:
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write reward/accuracy curves (train) and held-out greedy accuracy (eval) to a PNG."""
+    """Write the run's curves to a PNG (default ``RUN_DIR/curves.png``) and return its path: reward
+    and accuracy (train samples, held-out greedy eval), KL, entropy, response length, per-phase
+    time and grad norm, per step. A metric missing from some record leaves its panel empty.
+
+    Raises:
+        FileNotFoundError: no ``RUN_DIR/metrics.jsonl``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,19 +33,26 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = load_records(run_dir)
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    axes = axes.ravel()
     steps = [r["step"] for r in train]
-    axes[0].plot(steps, [r["reward_mean"] for r in train], marker=".", label="reward_mean")
-    axes[0].plot(steps, [r["accuracy"] for r in train], marker=".", label="accuracy (samples)")
-    axes[0].plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "s--", label="held-out greedy accuracy")
-    axes[0].set_title("reward")
-    axes[1].plot(steps, [r["response_len_mean"] for r in train], marker=".", color="tab:green")
-    axes[1].set_title("response length (tokens)")
+
+    def curve(ax, key: str, title: str, **style) -> None:
+        if train and all(key in r for r in train):
+            ax.plot(steps, [r[key] for r in train], marker=".", **style)
+        ax.set_title(title)
+
+    curve(axes[0], "reward_mean", "reward and accuracy", label="reward_mean")
+    curve(axes[0], "accuracy", "reward and accuracy", label="accuracy (samples)")
+    axes[0].plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "s--",
+                 label="held-out greedy accuracy")
+    curve(axes[1], "kl", "KL", color="tab:red")
+    curve(axes[2], "entropy", "entropy (response tokens)", color="tab:purple")
+    curve(axes[3], "response_len_mean", "response length (tokens)", color="tab:green")
     for key in ("time_rollout_s", "time_genrm_s", "time_reward_s", "time_logprob_s", "time_train_s",
                 "time_sync_s", "time_engines_s"):
-        if train and all(key in r for r in train):
-            axes[2].plot(steps, [r[key] for r in train], marker=".", label=key[5:-2])
-    axes[2].set_title("phase time (s)")
+        curve(axes[4], key, "phase time (s)", label=key[5:-2])
+    curve(axes[5], "grad_norm", "grad norm (pre-clip)", color="tab:gray")
     for ax in axes:
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
