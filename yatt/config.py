@@ -281,21 +281,31 @@ def apply_override(raw: dict, override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r}: expected key=value")
     key, text = override.split("=", 1)
+    set_key(raw, key, yaml.safe_load(text) if text.strip() else "", f"override {override!r}")
+
+
+def set_key(raw: dict, key: str, value: Any, where: str = "") -> None:
+    """Set the dotted ``key`` (``a.b.c``) of a nested dict to ``value`` (creating sections).
+
+    Raises:
+        ConfigError: the key walks through a non-mapping value.
+    """
     parts = key.strip().split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: '{'.'.join(parts[: i + 1])}' is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+            raise ConfigError(f"{where or key}: '{'.'.join(parts[: i + 1])}' is not a section")
+    node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] = (), values: dict[str, Any] | None = None) -> Config:
     """Load a YAML recipe, apply dotted overrides and validate.
 
     Args:
         path: YAML file (None: defaults only).
         overrides: ``["trainer.total_steps=2", "output_dir=/tmp/run"]``.
+        values: dotted keys set to Python values after the overrides (``{"trainer.lr": 1e-5}``).
     Returns:
         The validated :class:`Config`.
     Raises:
@@ -311,6 +321,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config {path}: top level must be a mapping")
     for ov in overrides:
         apply_override(raw, ov)
+    for key, value in (values or {}).items():
+        set_key(raw, key, value)
     try:
         return Config.model_validate(raw)
     except ValidationError as e:

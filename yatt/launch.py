@@ -112,13 +112,34 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        _report(e)
+        return 2
+    return execute(cfg)[0]
+
+
+def _report(e: ConfigError) -> None:
+    if os.environ.get("PMI_RANK", os.environ.get("RANK", "0")) == "0":  # once per job, not per rank
+        print(f"yatt: {e}", file=sys.stderr)
+
+
+def execute(cfg) -> tuple[int, list[dict]]:
+    """Run the job ``cfg`` describes on this rank (every rank calls it; ``mpirun``, ``srun``,
+    torchrun or one plain process).
+
+    Returns:
+        (exit code: 0 done, 2 config error, 75 stopped by SIGTERM/SIGUSR1 after a checkpoint;
+        rank 0's metric records, empty elsewhere).
+    Raises:
+        Whatever the run raises (under MPI a failed rank aborts the whole job first).
+    """
+    try:
         _check_output_dir(cfg)
         _check_model_parallel(cfg)
         _check_placement(cfg)
     except ConfigError as e:
-        if os.environ.get("PMI_RANK", os.environ.get("RANK", "0")) == "0":  # once per job, not per rank
-            print(f"yatt: {e}", file=sys.stderr)
-        return 2
+        _report(e)
+        return 2, []
 
     _setup_env(cfg.threads_per_rank)
     from yatt.dist import init_distributed
@@ -150,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         watchdog = Watchdog(info.rank, info.world_size, cfg.fault.timeout_s, stall_s=cfg.fault.stall_s)
         watchdog.start()
         watchdog.phase("startup", 0)
-    code = 0
+    code, records = 0, []
     try:
-        run(cfg, info, watchdog)
+        records = run(cfg, info, watchdog)
     except Preempted as e:  # every rank: the checkpoint is committed
         logging.getLogger("yatt").warning("%s; exiting with code %d (resume=auto continues)", e, EXIT_PREEMPTED)
         code = EXIT_PREEMPTED
@@ -174,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return code
+    return code, records if info.rank == 0 else []
 
 
 if __name__ == "__main__":
