@@ -34,15 +34,11 @@ def _setup_env(threads: int | None) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
-def _checkpoint_root(cfg) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
-
-
 def _check_output_dir(cfg) -> None:
     """Refuse to mix a new run into an old run's metrics.jsonl: the old run is resumed
     (``resume=auto`` with a complete checkpoint there, or an explicit checkpoint path),
     or replaced (``overwrite=true``), or the job stops here."""
-    from yatt.checkpoint.files import find_latest, resolve
+    from yatt.checkpoint.files import checkpoint_root, find_latest, resolve
 
     if cfg.resume not in ("auto", "none") and not cfg.overwrite:
         try:
@@ -51,7 +47,7 @@ def _check_output_dir(cfg) -> None:
             raise ConfigError(f"config key 'resume': {e}") from None
         return
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
-    resumable = cfg.resume == "auto" and find_latest(_checkpoint_root(cfg)) is not None
+    resumable = cfg.resume == "auto" and find_latest(checkpoint_root(cfg)) is not None
     if os.path.exists(metrics) and not cfg.overwrite and not resumable:
         raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({metrics}) without a checkpoint to "
                           "resume from; pick another output_dir or pass overwrite=true")
@@ -153,7 +149,9 @@ def execute(cfg) -> tuple[int, list[dict]]:
     if cfg.overwrite:  # a fresh run: the old run's checkpoints must not be resumed later
         cfg.resume = "none"
         if info.rank == 0:
-            shutil.rmtree(_checkpoint_root(cfg), ignore_errors=True)
+            from yatt.checkpoint.files import checkpoint_root
+
+            shutil.rmtree(checkpoint_root(cfg), ignore_errors=True)
     if info.rank == 0:
         os.makedirs(cfg.output_dir, exist_ok=True)
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:

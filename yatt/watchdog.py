@@ -429,9 +429,9 @@ class Watchdog:
 
     def _end_job(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
-        from yatt.dist import _MPI_KEYS
+        from yatt.dist import launched_by_mpi
 
-        if any(k in os.environ for k in _MPI_KEYS):
+        if launched_by_mpi():
             from mpi4py import MPI
 
             MPI.COMM_WORLD.Abort(EXIT_RANK_LOST)

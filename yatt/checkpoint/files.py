@@ -28,6 +28,11 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
+def checkpoint_root(cfg) -> Path:
+    """The run's checkpoint root: ``checkpoint.dir``, default ``<output_dir>/checkpoints``."""
+    return Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
+
+
 def step_dir(root: str | Path, step: int, tmp: bool = False) -> Path:
     """``root/step_{step:06d}`` (``.tmp`` suffix while being written)."""
     return Path(root) / f"step_{step:06d}{'.tmp' if tmp else ''}"

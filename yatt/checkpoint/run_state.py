@@ -74,7 +74,7 @@ class RunCheckpoints:
         c = cfg.checkpoint
         self.cfg, self.rank, self.actor, self.meta = cfg, rank, actor, meta
         self.parts = {k: v for k, v in parts.items() if v is not None}
-        self.root = Path(c.dir or Path(cfg.output_dir) / "checkpoints")
+        self.root = files.checkpoint_root(cfg)
         self.model_key = None
         if actor is not None:
             from megatron.core import parallel_state as mpu

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -170,8 +171,6 @@ class Checkpointer:
             log.error("checkpoint of step %d failed on some rank (here: %r); it is dropped, training goes on",
                       step, self._error)
             if self.rank == 0:
-                import shutil
-
                 shutil.rmtree(files.step_dir(self.root, step, tmp=True), ignore_errors=True)
             return None
         folder = files.step_dir(self.root, step)
