@@ -75,7 +75,7 @@ def test_existing_run_is_not_overwritten_by_accident(tmp_path):
     import sys
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"output_dir={tmp_path}"],
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--standalone", "--config", RECIPE, f"output_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "already holds a run" in out.stderr and "overwrite=true" in out.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
@@ -88,7 +88,7 @@ def test_tensor_parallel_size_must_split_the_heads(tmp_path):
     from yatt.assets.model import SMOLLM2, resolve_model
 
     smol = resolve_model(SMOLLM2)  # 9 attention heads, 3 KV heads, MLP size 1536
-    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"model.path={smol}",
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--standalone", "--config", RECIPE, f"model.path={smol}",
                           "trainer.tp=2", f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "config key 'trainer.tp': TP=2 must divide the KV heads (3) and the MLP size (1536)" in out.stderr
@@ -105,7 +105,7 @@ def test_pipeline_size_must_split_the_layers_and_the_world(tmp_path, override, m
     from yatt.assets.model import SMOLLM2, resolve_model
 
     smol = resolve_model(SMOLLM2)  # 30 layers
-    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--config", RECIPE, f"model.path={smol}",
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--standalone", "--config", RECIPE, f"model.path={smol}",
                           override, f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert message in out.stderr, out.stderr[-2000:]

@@ -1,8 +1,9 @@
 """Rank discovery and process-group setup for one SPMD job.
 
 Every process is a rank of one job; rank, world size and local rank come from, in order:
-MPI (``mpirun``, read through ``mpi4py``), Slurm (``SLURM_PROCID``...), or torchrun
-(``RANK``...). torch.distributed is then initialised with gloo on CPU, NCCL on GPU.
+MPI (``mpirun``, read through ``mpi4py``), a Slurm ``srun`` step (``SLURM_PROCID``...),
+or torchrun (``RANK``...); :func:`discover` says which. torch.distributed is then initialised
+with gloo on CPU, NCCL on GPU.
 """
 from __future__ import annotations
 
@@ -26,14 +27,36 @@ class RankInfo:
     source: str  # "mpi" | "slurm" | "torchrun" | "single"
 
 
-def discover(env: dict[str, str] | None = None) -> RankInfo:
+class LauncherError(RuntimeError):
+    """No launcher started this process (when one is required), or the launcher's variables
+    contradict each other (a rank outside the world, a value that is not an integer)."""
+
+
+_NO_LAUNCHER = ("no launcher found: none of the variables of MPI (PMI_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK), "
+                "a Slurm srun step (SLURM_PROCID with SLURM_STEP_NUM_TASKS) or torchrun (RANK, WORLD_SIZE) is "
+                "set. Start the job with `mpirun -np N python -m yatt.launch ...`, `srun python -m yatt.launch "
+                "...` or `torchrun --nproc-per-node N -m yatt.launch ...`; for one process without a launcher "
+                "pass --standalone")
+
+
+def discover(env: dict[str, str] | None = None, require_launcher: bool = False) -> RankInfo:
     """Find this process's rank from the launcher's environment.
+
+    Sources, in order: MPI (``mpirun``, or ``srun`` with PMI; queried through mpi4py), a Slurm
+    ``srun`` step (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``), torchrun
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``). A Slurm batch script is not an srun step: its
+    ``SLURM_PROCID=0``/``SLURM_NTASKS`` describe the allocation, not the processes started. Under
+    ``srun torchrun ...`` the torchrun variables win (``TORCHELASTIC_RUN_ID`` is set).
 
     Args:
         env: environment to read (default ``os.environ``). MPI is queried through mpi4py
             only when the environment shows an MPI launcher.
+        require_launcher: raise when no launcher is found instead of running as one rank.
     Returns:
-        RankInfo; a plain ``python`` run is rank 0 of 1 (source ``single``).
+        RankInfo; without a launcher (and ``require_launcher`` false) rank 0 of 1, source ``single``.
+    Raises:
+        LauncherError: no launcher and ``require_launcher``; or a launcher's variables that are not
+            integers, half a torchrun set (RANK without WORLD_SIZE), or a rank outside the world.
     """
     env = os.environ if env is None else env
     if launched_by_mpi(env):
@@ -44,11 +67,34 @@ def discover(env: dict[str, str] | None = None) -> RankInfo:
         info = RankInfo(comm.Get_rank(), comm.Get_size(), local.Get_rank(), "mpi")
         local.Free()
         return info
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return RankInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
-    return RankInfo(0, 1, 0, "single")
+    # torchrun's workers take their ranks from torchrun, also when torchrun itself runs under srun
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env and "TORCHELASTIC_RUN_ID" not in env:
+        info = RankInfo(_int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_LOCALID", 0),
+                        "slurm")
+    elif "RANK" in env or "WORLD_SIZE" in env:
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise LauncherError(f"torchrun-style environment without {missing[0]} (RANK and WORLD_SIZE go together)")
+        info = RankInfo(_int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0), "torchrun")
+    elif require_launcher:
+        batch = (f" (this looks like the batch script of Slurm job {env['SLURM_JOB_ID']}: start the ranks with srun "
+                 "or mpirun inside it)" if "SLURM_JOB_ID" in env else "")
+        raise LauncherError(_NO_LAUNCHER + batch)
+    else:
+        return RankInfo(0, 1, 0, "single")
+    if not (info.world_size >= 1 and 0 <= info.rank < info.world_size and info.local_rank >= 0):
+        raise LauncherError(f"{info.source} environment gives rank {info.rank} of world size {info.world_size} "
+                            f"(local rank {info.local_rank}): need 0 <= rank < world size")
+    return info
+
+
+def _int(env, key: str, default: int | None = None) -> int:
+    if key not in env and default is not None:
+        return default
+    try:
+        return int(env[key])
+    except ValueError:
+        raise LauncherError(f"launcher variable {key}={env[key]!r} is not an integer") from None
 
 
 def launched_by_mpi(env: dict[str, str] | None = None) -> bool:

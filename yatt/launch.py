@@ -1,8 +1,9 @@
 """Entry point of a YATT job: ``python -m yatt.launch --config FILE [key=value ...]``.
 
 Run it under ``mpirun -np N`` (or ``srun``, or torchrun): every process is one rank of the
-same program. The config is validated before anything heavy is imported or loaded, so a typo
-costs a second, not a model load.
+same program. Without a launcher it stops with a message (``--standalone`` runs one rank, as
+``mpirun -np 1`` does). The config is validated before anything heavy is imported or loaded, so a
+typo costs a second, not a model load.
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ def _check_placement(cfg) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m yatt.launch", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML recipe, e.g. configs/grpo_smollm2.yaml")
+    ap.add_argument("--standalone", action="store_true",
+                    help="run as one rank without a launcher (debugging; same as mpirun -np 1)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=2 output_dir=/tmp/run")
     args = ap.parse_args(argv)
     try:
@@ -111,11 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         _report(e)
         return 2
+    from yatt.dist import LauncherError, discover  # imports torch: after a typo's quick exit
+
+    try:
+        discover(require_launcher=not args.standalone)
+    except LauncherError as e:
+        _report(e)
+        return 2
     return execute(cfg)[0]
 
 
-def _report(e: ConfigError) -> None:
-    if os.environ.get("PMI_RANK", os.environ.get("RANK", "0")) == "0":  # once per job, not per rank
+def _report(e: Exception) -> None:
+    rank = next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID")
+                 if k in os.environ), "0")
+    if rank == "0":  # once per job, not per rank
         print(f"yatt: {e}", file=sys.stderr)
 
 
@@ -129,11 +141,13 @@ def execute(cfg) -> tuple[int, list[dict]]:
     Raises:
         Whatever the run raises (under MPI a failed rank aborts the whole job first).
     """
+    from yatt.dist import LauncherError
+
     try:
         _check_output_dir(cfg)
         _check_model_parallel(cfg)
         _check_placement(cfg)
-    except ConfigError as e:
+    except (ConfigError, LauncherError) as e:
         _report(e)
         return 2, []
 
