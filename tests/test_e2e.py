@@ -16,7 +16,7 @@ REQUIRED = (
 @pytest.mark.parametrize("parallel", ["trainer.pp=1", "trainer.pp=2", "algo.dynamic_sampling=true"])
 def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel):
     out = tmp_path / "run"
-    mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml", "trainer.total_steps=2",
+    proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml", "trainer.total_steps=2",
             f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=4", "data.eval_size=24", parallel,
             "algo.max_sampling_rounds=1"],
            2, timeout=900)
@@ -43,12 +43,25 @@ def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel
     for r in evals:
         assert 0.0 <= r["eval_accuracy"] <= 1.0
     assert (out / "config.yaml").exists()
+    _check_tensorboard_and_bars(out, train, proc.stderr)
+
+
+def _check_tensorboard_and_bars(out, train, stderr: str) -> None:
+    """The run's TensorBoard scalars are its metrics.jsonl values; rank 0 drew the progress bars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    for key in ("reward_mean", "kl", "entropy", "response_len_mean"):
+        got = [(e.step, e.value) for e in acc.Scalars(f"train/{key}")]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in train], key
+    assert "steps: 100%" in stderr and "rollout: 100%" in stderr, stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
 def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, mode):
     out = tmp_path / "run"
-    mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", "trainer.total_steps=2",
+    proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", "trainer.total_steps=2",
             f"placement.mode={mode}", f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=2",
             "data.eval_size=8"], 2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -76,3 +89,5 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, mode):
             assert record["genrm_queue_groups_max"] >= 1
         if mode == "disaggregated":  # the GenRM rank waits while rank 0 trains
             assert record["idle_rank_s"][1] > record["time_train_s"] * 0.5
+    if mode == "colocate":  # rank 0 judges too
+        assert "genrm: 100%" in proc.stderr, proc.stderr[-3000:]

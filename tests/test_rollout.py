@@ -190,6 +190,25 @@ def test_generate_stream_yields_each_group_once_with_generate_samples(engine, pr
     assert list(engine.generate_stream([], spec)) == []
 
 
+def test_progress_bar_counts_every_sample_of_each_call(engine, prompts, capsys):
+    import re
+
+    spec = SamplingSpec(n=3, max_tokens=8, seed=5)
+    capsys.readouterr()
+    try:
+        engine.progress = "rollout"
+        engine.generate(prompts, spec)  # vLLM's own bar
+        list(engine.generate_stream(prompts, spec))  # ours, over the streamed requests
+        engine.generate_within(prompts, spec, timeout_s=60.0)
+        engine.progress = None
+        engine.generate(prompts, spec)
+    finally:
+        engine.progress = None
+    lines = capsys.readouterr().err.replace("\r", "\n")
+    finals = re.findall(r"rollout: 100%\|[^|]*\| (\d+)/(\d+)", lines)
+    assert sorted(set(finals)) == [("6", "6")] and lines.count("0/6") == 3, lines[-2000:]
+
+
 def test_shutdown_releases_reloaded_weights(engine, state):
     """Runs last in this module: it shuts the module's engine down.
 

@@ -189,6 +189,14 @@ class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="also evaluate every N steps (0: before and after only)")
 
 
+class LogConfig(_Section):
+    """What a run shows and writes besides ``metrics.jsonl`` (rank 0 only)."""
+
+    tensorboard: bool = Field(True,
+        description="also write every metric as a TensorBoard scalar to <output_dir>/tensorboard")
+    progress: bool = Field(True, description="progress bars: steps, and the samples of each rollout and judging call")
+
+
 class Config(_Section):
     seed: int = Field(0, description="seed of sampling, data order and engines")
     output_dir: str = Field("runs/default", description="metrics.jsonl, config.yaml and checkpoints go here")
@@ -210,6 +218,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
         description="async checkpoints and save points")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="dead and hung ranks")
+    log: LogConfig = Field(default_factory=LogConfig, description="TensorBoard and progress bars")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

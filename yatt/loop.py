@@ -50,12 +50,14 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     model_path = _resolve_model_once(cfg.model.path, info)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.type != "rule" else None
-    scorer = StepScorer(cfg.reward, cfg.data.task, cfg.data.task_config, judge_path)
+    bars = info.rank == 0 and cfg.log.progress  # progress bars on rank 0
+    scorer = StepScorer(cfg.reward, cfg.data.task, cfg.data.task_config, judge_path,
+                        progress="genrm" if bars else None)
 
     def build_engine():
         return VLLMEngine(str(model_path), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
                           kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
-                          dtype=cfg.model.dtype)
+                          dtype=cfg.model.dtype, progress="rollout" if bars else None)
 
     placement = Placement(cfg, info.rank, info.world_size, build_engine, scorer,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -93,7 +95,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
         ckpt.triggers.close()
         placement.close()
         return []
-    writer = MetricsWriter(cfg.output_dir, info.rank, resume_step=start)
+    writer = MetricsWriter(cfg.output_dir, info.rank, resume_step=start, tensorboard=cfg.log.tensorboard)
 
     def evaluate_at(step: int) -> dict:
         return _eval_record(step, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer, phase)
@@ -122,7 +124,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
         return groups, rewards
 
     for step in tqdm(range(start + 1, t.total_steps + 1), desc="steps", initial=start, total=t.total_steps,
-                     disable=info.rank != 0, dynamic_ncols=True):
+                     disable=not bars, dynamic_ncols=True):
         timer, t0, sums = PhaseTimer(on_enter=lambda name: phase(name, step)), time.perf_counter(), {}
         phase("rollout", step)
         groups, rewards = sample_round(step, 0, timer, sums)
@@ -164,10 +166,12 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
             phase("checkpoint", step)
             if stop := ckpt.step_end(step):  # a signal's checkpoint is committed: every rank stops here
                 placement.close()
+                writer.close()
                 raise Preempted(step, stop)
     records.append(evaluate_at(t.total_steps))
     ckpt.finish(t.total_steps)
     placement.close()
+    writer.close()
     return records
 
 

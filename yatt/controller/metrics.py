@@ -105,16 +105,23 @@ class MetricsWriter:
     The file is started empty: a run never appends to an older run's records (the launcher
     refuses an output_dir that holds one unless ``overwrite=true`` or it resumes). A run resumed
     from the checkpoint of step ``resume_step`` keeps the records up to that step and drops the
-    later ones (the interrupted run's, which the resumed run writes again).
+    later ones (the interrupted run's, which the resumed run writes again). With ``tensorboard``
+    the records also go to ``<output_dir>/tensorboard`` (:mod:`yatt.controller.tensorboard`, same
+    rules).
     """
 
-    def __init__(self, output_dir: str | Path, rank: int, resume_step: int = 0) -> None:
+    def __init__(self, output_dir: str | Path, rank: int, resume_step: int = 0, tensorboard: bool = False) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = rank == 0
+        self.tensorboard = None
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = _records_up_to(self.path, resume_step) if resume_step and self.path.exists() else []
             self.path.write_text("".join(kept))
+            if tensorboard:
+                from yatt.controller.tensorboard import TensorBoardWriter
+
+                self.tensorboard = TensorBoardWriter(self.path.parent / "tensorboard", resume_step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -122,3 +129,9 @@ class MetricsWriter:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean, sort_keys=False) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.add(clean)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -17,10 +17,12 @@ class StepScorer:
     Args:
         cfg: the ``reward`` section. task, task_config: the reasoning-gym task of the rule reward.
         judge_path: HF folder of the judge model (needed when ``cfg.type`` uses GenRM).
+        progress: label of the judge engine's progress bar (None: no bar; see ``VLLMEngine``).
     """
 
-    def __init__(self, cfg: RewardConfig, task: str, task_config: dict, judge_path=None):
+    def __init__(self, cfg: RewardConfig, task: str, task_config: dict, judge_path=None, progress: str | None = None):
         self.cfg = cfg
+        self.progress = progress
         self.rule = RuleReward(task, cfg.extract, task_config)
         self.uses_genrm = cfg.type in ("genrm", "genrm_with_rule")
         if self.uses_genrm and judge_path is None:
@@ -42,7 +44,7 @@ class StepScorer:
 
         g = self.cfg.genrm
         engine = VLLMEngine(str(self.judge_path), max_model_len=g.max_model_len,
-                            kv_cache_memory_bytes=g.kv_cache_memory_bytes, seed=seed)
+                            kv_cache_memory_bytes=g.kv_cache_memory_bytes, seed=seed, progress=self.progress)
         return GenRMJudge(engine, AutoTokenizer.from_pretrained(self.judge_path), template=g.template,
                           mode=g.mode, k=g.k, max_tokens=g.max_tokens, temperature=g.temperature,
                           timeout_s=g.timeout_s, unparsable_score=g.unparsable_score, seed=seed)

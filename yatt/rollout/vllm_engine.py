@@ -237,6 +237,8 @@ class VLLMEngine:
         dtype: weights/activations dtype ("float32", "bfloat16", ...).
         gpu_memory_utilization: fraction of GPU memory for vLLM (GPU only).
         logprobs_mode: vLLM logprobs mode for sampled tokens ("raw_logprobs" default).
+        progress: label of a tqdm bar over the samples of each call as they finish (vLLM's bar
+            for batch calls, with its token speeds); None: no bar. Give it on one rank only.
     Raises:
         ValueError: ``tp`` does not divide the world size, or ``tp > 1`` without torch.distributed.
         RuntimeError: torch.distributed is initialised but RANK/LOCAL_RANK/WORLD_SIZE/
@@ -245,12 +247,14 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, tp: int = 1, max_model_len: int = 1024,
                  kv_cache_memory_bytes: int = 1 << 30, seed: int = 0, dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.5, logprobs_mode: str = "raw_logprobs"):
+                 gpu_memory_utilization: float = 0.5, logprobs_mode: str = "raw_logprobs",
+                 progress: str | None = None):
         from vllm import LLM
 
         _quiet_vllm_logs()
 
         self.max_model_len = max_model_len
+        self.progress = progress
         self._owns_world = not dist.is_initialized()  # then vLLM creates (and later destroys) it
         kwargs: dict = dict(model=str(model_path), tensor_parallel_size=tp, max_model_len=max_model_len,
                             seed=seed, dtype=dtype, logprobs_mode=logprobs_mode, enable_prefix_caching=True)
@@ -366,7 +370,8 @@ class VLLMEngine:
         """
         engine, call = self._live().llm_engine, next(_CALLS)
         pending = {f"yatt-{call}-{i}": i for i in range(len(prompts))}
-        with _fork_global_rng():
+        bar = self._bar(total=sum(p.n for p in all_params))
+        with _fork_global_rng(), bar:
             try:
                 for (rid, i), params in zip(pending.items(), all_params):
                     engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
@@ -379,6 +384,7 @@ class VLLMEngine:
                         break
                     for out in engine.step():
                         if out.finished and out.request_id in pending:
+                            bar.update(len(out.outputs))
                             yield pending.pop(out.request_id), out
             finally:
                 if pending:
@@ -458,8 +464,22 @@ class VLLMEngine:
     def _run(self, prompts: list[list[int]], params: list) -> list:
         """Add requests and step the engine until all are done (outputs in prompt order)."""
         llm = self._live()
+
+        def use_tqdm(iterable=None, *, total: int = 0, **kw):  # vLLM's total: the samples (n per request)
+            if iterable is not None:  # vLLM's short "Rendering prompts" pass: no bar
+                return iterable
+            return self._bar(total=total, postfix=kw.get("postfix"))
+
         with _fork_global_rng():
-            return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=use_tqdm if self.progress else False)
+
+    def _bar(self, total: int, **kw):
+        """The progress bar of one call (a disabled one without ``progress``), below the step bar."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=self.progress, unit="sample", leave=False, position=1, dynamic_ncols=True,
+                    disable=self.progress is None, **kw)
 
     def _sampling_params(self, spec: SamplingSpec, count: int, logprobs: int = 0, **extra) -> list:
         """One SamplingParams per prompt, seeded by the rule in :class:`SamplingSpec`.
