@@ -385,6 +385,8 @@ class VLLMEngine:
                     for out in engine.step():
                         if out.finished and out.request_id in pending:
                             bar.update(len(out.outputs))
+                            if bar.n == bar.total:  # shown even if it came within tqdm's mininterval
+                                bar.refresh()
                             yield pending.pop(out.request_id), out
             finally:
                 if pending:
