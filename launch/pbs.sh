@@ -22,5 +22,6 @@ else
     hosts=()
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# log.progress=false: tqdm's redraws would clutter the job's log file (a later log.progress=true wins)
 run "$root/.venv/bin/mpirun" -np "$np" "${hosts[@]}" \
-    "$root/.venv/bin/python" -m yatt.launch --config "$config" "${args[@]}"
+    "$root/.venv/bin/python" -m yatt.launch --config "$config" log.progress=false "${args[@]}"

@@ -45,7 +45,7 @@ def test_slurm_dry_run_prints_the_srun_command(script):
     out = _bash(script, "configs/grpo_smollm2.yaml", "trainer.total_steps=1", env={"DRY_RUN": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (f"srun --kill-on-bad-exit=1 --cpu-bind=cores {PY} -m yatt.launch "
-                                  "--config configs/grpo_smollm2.yaml trainer.total_steps=1")
+                                  "--config configs/grpo_smollm2.yaml log.progress=false trainer.total_steps=1")
 
 
 def test_pbs_dry_run_uses_the_node_file(tmp_path):
@@ -55,7 +55,7 @@ def test_pbs_dry_run_uses_the_node_file(tmp_path):
     out = _bash("pbs.sh", env={**env, "PBS_NODEFILE": str(nodes)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (f"{ROOT}/.venv/bin/mpirun -np 3 -f {nodes} {PY} -m yatt.launch "
-                                  "--config configs/grpo_smollm2.yaml trainer.total_steps=1 seed=3")
+                                  "--config configs/grpo_smollm2.yaml log.progress=false trainer.total_steps=1 seed=3")
     assert "-np 2 " in _bash("pbs.sh", env=env).stdout  # outside PBS: NP (default 2), no host file
     missing = _bash("pbs.sh", env={"DRY_RUN": "1"})
     assert missing.returncode != 0 and "set CONFIG" in missing.stderr

@@ -65,6 +65,16 @@ def _records(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
 
 
+def _scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """The run's TensorBoard scalars as TensorBoard reads them (purged steps dropped), timings left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]
+            if not t.split("/")[1].startswith(_TIMING)}
+
+
 def _steps(out: Path) -> list[int]:
     return [r["step"] for r in _records(out) if "reward_mean" in r]
 
@@ -100,3 +110,6 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path):
     assert _wait(_launch(run)) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert _records(run) == _records(ref)
     assert _steps(run) == [1, 2, 3, 4]
+    # TensorBoard, over the killed, preempted and finishing runs' event files, shows each step once
+    scalars = _scalars(run)
+    assert scalars == _scalars(ref) and [s for s, _ in scalars["train/reward_mean"]] == [1, 2, 3, 4]
