@@ -7,7 +7,7 @@ CONFIG ?= configs/grpo_smollm2.yaml
 ARGS   ?=
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench-trl clean
 setup: $(VENV)/.deps $(VENV)/.ext $(VENV)/.assets
 
 $(VENV)/.deps: requirements.txt Makefile
@@ -37,6 +37,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# YATT vs TRL's GRPOTrainer on the same work (bench/vs_trl.py); installs TRL into the venv first.
+bench-trl: setup
+	$(BIN)/pip install -q -r bench/requirements-trl.txt
+	$(BIN)/python bench/vs_trl.py $(ARGS)
 
 clean:
 	rm -rf build *.egg-info yatt/_C*.so
