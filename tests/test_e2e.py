@@ -17,9 +17,9 @@ REQUIRED = (
 def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel):
     out = tmp_path / "run"
     proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml", "trainer.total_steps=2",
-            f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=4", "data.eval_size=24", parallel,
-            "algo.max_sampling_rounds=1"],
-           2, timeout=900)
+                   f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=4", "data.eval_size=24", parallel,
+                   "algo.max_sampling_rounds=1"],
+                  2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
@@ -62,8 +62,8 @@ def _check_tensorboard_and_bars(out, train, stderr: str) -> None:
 def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, mode):
     out = tmp_path / "run"
     proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", "trainer.total_steps=2",
-            f"placement.mode={mode}", f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=2",
-            "data.eval_size=8"], 2, timeout=900)
+                   f"placement.mode={mode}", f"output_dir={out}", "trainer.prompts_per_rank=2", "rollout.n=2",
+                   "data.eval_size=8"], 2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
