@@ -118,7 +118,7 @@ def test_launch_rejects_split_placement_without_mpi_or_room(mpirun, tmp_path):
 
     args = ["-m", "yatt.launch", "--config", GENRM_RECIPE, "placement.mode=partial_colocate",
             f"output_dir={tmp_path / 'run'}"]
-    single = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    single = subprocess.run([sys.executable, *args, "--standalone"], capture_output=True, text=True, timeout=120)
     assert single.returncode == 2 and "placement.mode" in single.stderr and "mpirun" in single.stderr
     with pytest.raises(AssertionError, match="placement.genrm_ranks"):  # 2 GenRM ranks leave no sampler
         mpirun([*args, "placement.genrm_ranks=2"], ranks=2, timeout=120)

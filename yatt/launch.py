@@ -54,14 +54,13 @@ def _check_output_dir(cfg) -> None:
                           "resume from; pick another output_dir or pass overwrite=true")
 
 
-def _check_model_parallel(cfg) -> None:
+def _check_model_parallel(cfg, world: int) -> None:
     """trainer.tp must split the policy's heads and MLP (the trainer's own mapping check),
     trainer.pp its layers, and trainer.tp * trainer.pp the world. The model is read from
     config.json when it is on disk; a packaged model not yet materialised is checked when it loads."""
     import json
 
     from yatt.assets.model import cache_root
-    from yatt.dist import discover
     from yatt.trainer.hf_mapping import layout_from_hf, stage_layers
 
     t = cfg.trainer
@@ -79,20 +78,17 @@ def _check_model_parallel(cfg) -> None:
                 check()
         except ValueError as e:
             raise ConfigError(f"config key 'trainer.{key}': {e}") from None
-    world = discover().world_size
     if world % (t.tp * t.pp):
         raise ConfigError(f"config keys 'trainer.tp', 'trainer.pp': TP*PP={t.tp * t.pp} must divide the "
                           f"world size ({world})")
 
 
-def _check_placement(cfg) -> None:
+def _check_placement(cfg, info) -> None:
     """Split placements need MPI (they stream over MPI communicators) and room for the split."""
-    from yatt.dist import discover
     from yatt.placement.runner import roles_for
 
     if cfg.placement.mode == "colocate":
         return
-    info = discover()
     if info.source != "mpi":
         raise ConfigError(f"config key 'placement.mode': {cfg.placement.mode} streams over MPI; "
                           f"launch with mpirun (this job came from {info.source})")
@@ -114,14 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         _report(e)
         return 2
-    from yatt.dist import LauncherError, discover  # imports torch: after a typo's quick exit
-
-    try:
-        discover(require_launcher=not args.standalone)
-    except LauncherError as e:
-        _report(e)
-        return 2
-    return execute(cfg)[0]
+    return execute(cfg, require_launcher=not args.standalone)[0]
 
 
 def _report(e: Exception) -> None:
@@ -131,9 +120,9 @@ def _report(e: Exception) -> None:
         print(f"yatt: {e}", file=sys.stderr)
 
 
-def execute(cfg) -> tuple[int, list[dict]]:
+def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
     """Run the job ``cfg`` describes on this rank (every rank calls it; ``mpirun``, ``srun``,
-    torchrun or one plain process).
+    torchrun or one plain process; with ``require_launcher`` a plain process is refused).
 
     Returns:
         (exit code: 0 done, 2 config error, 75 stopped by SIGTERM/SIGUSR1 after a checkpoint;
@@ -141,12 +130,13 @@ def execute(cfg) -> tuple[int, list[dict]]:
     Raises:
         Whatever the run raises (under MPI a failed rank aborts the whole job first).
     """
-    from yatt.dist import LauncherError
+    from yatt.dist import LauncherError, discover  # imports torch: after a typo's quick exit
 
     try:
+        info = discover(require_launcher=require_launcher)
         _check_output_dir(cfg)
-        _check_model_parallel(cfg)
-        _check_placement(cfg)
+        _check_model_parallel(cfg, info.world_size)
+        _check_placement(cfg, info)
     except (ConfigError, LauncherError) as e:
         _report(e)
         return 2, []
