@@ -51,3 +51,13 @@ def world1():
     with torch.random.fork_rng(devices=[]):
         model_parallel_cuda_manual_seed(1234)
     return info
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` of ``<run_dir>/tensorboard`` as TensorBoard's own reader sees
+    it (purged steps dropped; every event kept, not TensorBoard's default sample)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}

@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from conftest import tensorboard_scalars
+
 REQUIRED = (
     "step reward_mean accuracy kl entropy clip_frac grad_norm response_len_mean "
     "logprob_diff_rollout_vs_train time_rollout_s time_reward_s time_logprob_s time_train_s "
@@ -48,13 +50,9 @@ def test_two_rank_two_step_demo_writes_finite_metrics(mpirun, tmp_path, parallel
 
 def _check_tensorboard_and_bars(out, train, stderr: str) -> None:
     """The run's TensorBoard scalars are its metrics.jsonl values; rank 0 drew the progress bars."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out / "tensorboard"))
-    acc.Reload()
+    scalars = tensorboard_scalars(out)
     for key in ("reward_mean", "kl", "entropy", "response_len_mean"):
-        got = [(e.step, e.value) for e in acc.Scalars(f"train/{key}")]
-        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in train], key
+        assert scalars[f"train/{key}"] == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in train], key
     assert "steps: 100%" in stderr and "rollout: 100%" in stderr, stderr[-3000:]
 
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import MPIRUN, ROOT, _DIST_ENV
+from conftest import MPIRUN, ROOT, _DIST_ENV, tensorboard_scalars
 
 ARGS = ["trainer.total_steps=4", "trainer.prompts_per_rank=2", "rollout.n=4", "rollout.max_tokens=24",
         "data.train_size=10", "data.eval_size=8", "eval.max_tokens=16", "checkpoint.every_steps=1"]
@@ -66,13 +66,8 @@ def _records(out: Path) -> list[dict]:
 
 
 def _scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
-    """The run's TensorBoard scalars as TensorBoard reads them (purged steps dropped), timings left out."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]
-            if not t.split("/")[1].startswith(_TIMING)}
+    """The run's TensorBoard scalars (purged steps dropped), timings left out."""
+    return {t: v for t, v in tensorboard_scalars(out).items() if not t.split("/")[1].startswith(_TIMING)}
 
 
 def _steps(out: Path) -> list[int]:

@@ -7,18 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import tensorboard_scalars
 from yatt.controller.metrics import MetricsWriter
 from yatt.controller.tensorboard import tag
 
 DEMO = Path(__file__).parent / "data" / "grpo_smollm2_metrics.jsonl"
-
-
-def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every event
-    acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
 def _expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -38,7 +32,7 @@ def test_demo_records_read_back_equal(tmp_path):
     for r in records:
         writer.write(r)
     writer.close()
-    got, want = _scalars(tmp_path), _expected(records)
+    got, want = tensorboard_scalars(tmp_path), _expected(records)
     assert {"train/reward_mean", "train/kl", "train/entropy", "train/response_len_mean", "eval/eval_accuracy",
             "time/time_rollout_s", "time/time_train_s", "memory/mem_peak_train_gib", "time/idle_rank_s/1"} <= set(got)
     assert set(got) == set(want)
@@ -57,7 +51,7 @@ def test_resume_replaces_the_steps_after_the_checkpoint(tmp_path):
     for step in (3, 4):
         resumed.write({"step": step, "loss": 10.0 * step})
     resumed.close()
-    got = _scalars(tmp_path)
+    got = tensorboard_scalars(tmp_path)
     assert got["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
     assert "train/lr" not in got  # non-finite values are left out, as metrics.jsonl writes null
 
@@ -69,6 +63,6 @@ def test_fresh_run_drops_an_older_runs_events_and_other_ranks_write_none(tmp_pat
     new = MetricsWriter(tmp_path, rank=0, tensorboard=True)  # overwrite=true, or a fresh output_dir
     new.write({"step": 1, "loss": 5.0})
     new.close()
-    assert _scalars(tmp_path) == {"train/loss": [(1, 5.0)]}
+    assert tensorboard_scalars(tmp_path) == {"train/loss": [(1, 5.0)]}
     MetricsWriter(tmp_path / "r1", rank=1, tensorboard=True).write({"step": 1, "loss": 1.0})
     assert not (tmp_path / "r1").exists()
