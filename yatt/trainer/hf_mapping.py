@@ -150,6 +150,7 @@ def transformer_config(hf: Mapping, *, tp: int = 1, pp: int = 1, dtype: torch.dt
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, variable_seq_lengths=pp > 1,
         moe_token_dispatcher_type="alltoall",  # no MoE; the default "allgather" rejects variable_seq_lengths
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
+        cuda_graph_scope=[],  # what the default "full" means; "full" itself is deprecated (a warning per build)
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
