@@ -13,9 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
 _MPI_KEYS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 
 
@@ -152,6 +149,9 @@ def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> Ra
         local_ranks = max(1, int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("LOCAL_WORLD_SIZE", 1))))
         threads = max(1, (os.cpu_count() or 1) // local_ranks)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch  # here, not at the top: discover() runs before a job's log settings (yatt.logs)
+    import torch.distributed as dist
+
     torch.set_num_threads(threads)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
