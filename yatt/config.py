@@ -195,6 +195,10 @@ class LogConfig(_Section):
     tensorboard: bool = Field(True,
         description="also write every metric as a TensorBoard scalar to <output_dir>/tensorboard")
     progress: bool = Field(True, description="progress bars: steps, and the samples of each rollout and judging call")
+    level: Literal["quiet", "all"] = Field("quiet",
+        description="quiet: library warnings that need no action are dropped (listed, each with why, in "
+                    "yatt/logs.py: Megatron's Apex notes, vLLM's CPU and Triton notes, torch's C++ warnings); "
+                    "all: they show. Other warnings and errors show at both")
 
 
 class Config(_Section):
@@ -218,7 +222,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
         description="async checkpoints and save points")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="dead and hung ranks")
-    log: LogConfig = Field(default_factory=LogConfig, description="TensorBoard and progress bars")
+    log: LogConfig = Field(default_factory=LogConfig, description="TensorBoard, progress bars and library warnings")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

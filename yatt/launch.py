@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 # Before torch's first allocation: its CPU allocator backs buffers of >= 2 MiB with transparent
@@ -28,11 +27,8 @@ def _setup_env(threads: int | None) -> None:
     # vLLM on CPU: in-process engine (multiprocess init is ~10x slower and doubles memory).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine build chatter; export INFO to see it
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    # Megatron-Core announces each CUDA-only fused kernel it falls back from; on CPU that is expected.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
 def _check_output_dir(cfg) -> None:
@@ -130,7 +126,10 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
     Raises:
         Whatever the run raises (under MPI a failed rank aborts the whole job first).
     """
-    from yatt.dist import LauncherError, discover  # imports torch: after a typo's quick exit
+    from yatt import logs
+
+    logs.setup(cfg.log.level)  # first: before torch and the libraries are imported
+    from yatt.dist import LauncherError, discover
 
     try:
         info = discover(require_launcher=require_launcher)
@@ -147,9 +146,11 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
     info = init_distributed(threads=cfg.threads_per_rank)
     logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING,
                         format=f"[yatt r{info.rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("yatt").info("world %d (%s), threads/rank %s, output %s",
-                                   info.world_size, info.source, os.environ.get("OMP_NUM_THREADS"), cfg.output_dir)
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # its DDP lists every parameter at INFO
+    log = logging.getLogger("yatt")
+    log.info("world %d (%s), threads/rank %s, output %s",
+             info.world_size, info.source, os.environ.get("OMP_NUM_THREADS"), cfg.output_dir)
+    if info.rank == 0:
+        log.info("%s", logs.native_runtime())
     if cfg.overwrite:  # a fresh run: the old run's checkpoints must not be resumed later
         cfg.resume = "none"
         if info.rank == 0:

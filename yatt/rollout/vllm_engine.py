@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import gc
 import itertools
-import logging
 import math
 import random
 import time
@@ -36,31 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from yatt import logs
+
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
 _CALLS = itertools.count()  # unique request-id prefix per streamed call
-# Expected on every CPU weight push / build (see ENVIRONMENT.md): RoPE and the tied lm_head
-# have no checkpoint weights, and the CPU worker pins its thread count. Filtered on the
-# loggers that emit them (vLLM configures its handlers lazily).
-_KNOWN_NOISE = {
-    "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
-    "vllm.v1.worker.cpu_worker": "torch.set_num_threads` after the thread binding",
-}
-
-
-class _DropKnownNoise(logging.Filter):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
-def _quiet_vllm_logs() -> None:
-    for name, text in _KNOWN_NOISE.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropKnownNoise) for f in logger.filters):
-            logger.addFilter(_DropKnownNoise(text))
 
 
 @dataclass
@@ -251,13 +229,14 @@ class VLLMEngine:
                  progress: str | None = None):
         from vllm import LLM
 
-        _quiet_vllm_logs()
+        logs.install()  # vLLM's lines that need no action (yatt/logs.py)
 
         self.max_model_len = max_model_len
         self.progress = progress
         self._owns_world = not dist.is_initialized()  # then vLLM creates (and later destroys) it
         kwargs: dict = dict(model=str(model_path), tensor_parallel_size=tp, max_model_len=max_model_len,
-                            seed=seed, dtype=dtype, logprobs_mode=logprobs_mode, enable_prefix_caching=True)
+                            seed=seed, dtype=dtype, logprobs_mode=logprobs_mode, enable_prefix_caching=True,
+                            use_tqdm_on_load=logs.level() == "all")  # vLLM's bar over the weight files
         if dist.is_initialized():
             world = dist.get_world_size()
             if world % tp:
