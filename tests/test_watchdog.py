@@ -263,6 +263,7 @@ def _detection_s(stdout: str, end: float) -> float:
     return end - float(re.search(r"stopping at (\d+\.\d{3})", stdout).group(1))
 
 
+@pytest.mark.mpi
 def test_job_ends_when_a_rank_hangs():
     codes, out, err, end = run_job(["hang", "1", str(TIMEOUT)], 2)
     took = _detection_s(out, end)
@@ -273,16 +274,22 @@ def test_job_ends_when_a_rank_hangs():
     assert re.search(r"rank=host:pid 0=\S+:\d+ 1=\S+:\d+", err), err[-3000:]  # the rank map, logged at start
 
 
+@pytest.mark.mpi
 def test_job_ends_when_rank_0_hangs():
     codes, out, err, end = run_job(["hang", "0", str(TIMEOUT)], 2)
     took = _detection_s(out, end)
     print(f"rank 0 hung: job ended {took:.1f} s later")
     assert codes == [EXIT_RANK_LOST], (codes, err[-3000:])
-    assert "yatt: rank 1 got no answer from the rendezvous store served by rank 0" in err, err[-3000:]
-    assert "rank 0's last phase was 'train' of step 3" in err, err[-3000:]
+    # Rank 1 detects it by either of two correct paths, whichever comes first on this machine: rank 0's
+    # store stops answering, or rank 0's heartbeat (read from that store) stops changing.
+    store = "yatt: rank 1 got no answer from the rendezvous store served by rank 0 (" in err
+    silent = re.search(r"yatt: rank 0 \(\S+:\d+\) sent no heartbeat for [\d.]+ s", err)
+    assert store or silent, err[-3000:]
+    assert ("rank 0's last phase was 'train' of step 3" if store else "its last phase was 'train' of step 3") in err
     assert TIMEOUT - 1.5 <= took < TIMEOUT + SLACK, took  # from the last print: an answer may precede it
 
 
+@pytest.mark.mpi
 def test_job_ends_when_a_rank_is_killed():
     codes, out, err, end = run_job(["kill", "1", str(TIMEOUT)], 2)
     took = _detection_s(out, end)
@@ -290,12 +297,16 @@ def test_job_ends_when_a_rank_is_killed():
     assert codes[0] != 0 and took < TIMEOUT + SLACK, (codes, took)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_clean_job_has_no_false_alarm():
     codes, out, err, _ = run_job(["clean", "1", str(TIMEOUT)], 2)
     assert codes == [0] and out.count("clean OK") == 2, (codes, out[-2000:], err[-3000:])
     assert "aborting the job" not in err, err[-3000:]
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_without_mpi_rank_0_report_reaches_the_other_ranks():
     """torchrun-style launch (os._exit, no MPI_Abort): rank 2 hangs, rank 0 flags it, rank 1 (asleep,
     not in a collective) exits on rank 0's abort note; the frozen rank is the launcher's to kill."""
