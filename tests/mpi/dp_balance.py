@@ -1,5 +1,7 @@
-"""DP balancing under mpirun on the real SmolLM2-135M (fp32): the balanced layout gives the same
-logprobs (and, with ``train``, the same gradient) as every rank keeping its own samples.
+"""DP balancing under mpirun on a tiny random Qwen2 with SmolLM2's tokenizer (fp32): the balanced
+layout gives the same logprobs (and, with ``train``, the same gradient) as every rank keeping its
+own samples. The property is the layout's (only padding and batching differ between layouts), not
+the model's; the real SmolLM2 costs several times as much here and checks nothing more.
 
     mpirun -np 2 python tests/mpi/dp_balance.py train   # logprobs + one optimizer step, both transports
     mpirun -np 4 python tests/mpi/dp_balance.py         # logprobs, both transports
@@ -81,7 +83,7 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from yatt.assets.model import resolve_model
+    from trainer_tp import tiny_model_dir
     from yatt.config import BalanceConfig
     from yatt.controller.rebalance import DpBalancer
     from yatt.dist import init_distributed
@@ -91,7 +93,7 @@ def main() -> None:
     train = "train" in sys.argv[1:]
     info = init_distributed(threads=1)
     init_parallel_state(1, 1)
-    path = resolve_model("smollm2-135m-instruct")
+    path = tiny_model_dir(info.rank, "dp_balance", max_position_embeddings=512)  # sequences up to ~300 tokens
     tok = AutoTokenizer.from_pretrained(path)
     optim = OptimConfig(lr=0.0, min_lr=0.0, total_steps=4) if train else None
     actor = MegatronPolicy(path, tp=1, optim=optim)

@@ -16,9 +16,7 @@ MPI (the transport of launchers without MPI). Prints "reshard sync OK" per rank.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -27,22 +25,9 @@ BUCKET_BYTES = 256 << 10
 
 
 def _model_dir(rank: int, tied: bool) -> Path:
-    import torch.distributed as dist
+    from trainer_tp import tiny_model_dir
 
-    from trainer_tp import save_tiny_hf
-    from yatt.assets.model import resolve_model
-
-    path = Path(tempfile.gettempdir()) / f"yatt_reshard_sync_{os.environ.get('MASTER_PORT', '0')}"
-    if rank == 0:
-        save_tiny_hf(path, "qwen2", vocab_size=49155, tied=tied, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2,
-                     hidden_size=128, intermediate_size=192, max_position_embeddings=256)  # head dim 32 (vLLM CPU)
-        tok = resolve_model("smollm2-135m-instruct")
-        for f in tok.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-                shutil.copy(f, path / f.name)
-    dist.barrier()
-    return path
+    return tiny_model_dir(rank, "reshard_sync", tied=tied)
 
 
 def _reference_export(actor) -> dict:

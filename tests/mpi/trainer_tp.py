@@ -101,6 +101,31 @@ def save_tiny_hf(path, model_type: str = "qwen2", *, vocab_size: int = 100, tied
     return model.eval()
 
 
+def tiny_model_dir(rank: int, tag: str, **config):
+    """A tiny random Qwen2 (:func:`save_tiny_hf` with ``config``; vocabulary 49155, head dim 32 for vLLM's
+    CPU attention) with SmolLM2's real tokenizer beside it, written by rank 0 to a temp folder named by
+    ``tag`` and the job's MASTER_PORT; every rank returns the folder after a barrier."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from yatt.assets.model import resolve_model
+
+    path = Path(tempfile.gettempdir()) / f"yatt_{tag}_{os.environ.get('MASTER_PORT', '0')}"
+    if rank == 0:
+        fields = dict(vocab_size=49155, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      hidden_size=128, intermediate_size=192, max_position_embeddings=256)
+        save_tiny_hf(path, "qwen2", **(fields | config))
+        for f in resolve_model(MODEL).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                shutil.copy(f, path / f.name)
+    dist.barrier()
+    return path
+
+
 def _setup():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
