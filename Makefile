@@ -7,7 +7,7 @@ CONFIG ?= configs/grpo_smollm2.yaml
 ARGS   ?=
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test bench-trl clean
+.PHONY: setup demo test test-quick bench-trl clean
 setup: $(VENV)/.deps $(VENV)/.ext $(VENV)/.assets
 
 $(VENV)/.deps: requirements.txt Makefile
@@ -37,6 +37,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The quick tier for iterating: every test not marked slow (README, Tests).
+test-quick: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 # YATT vs TRL's GRPOTrainer on the same work (bench/vs_trl.py); installs TRL into the venv first.
 bench-trl: setup

@@ -1,11 +1,16 @@
-"""Shared test helpers: launching a script under ``mpirun`` from pytest."""
+"""Shared test helpers: launching a script or a YATT job under ``mpirun`` from pytest, and the
+one demo-recipe run that several test files check (``demo_run``)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,6 +18,16 @@ MPIRUN = Path(sys.prefix) / "bin" / "mpirun"
 # Set by yatt.dist / torch.distributed in this pytest process: a child rank that inherits
 # MASTER_PORT would try to join this process's (world 1) store.
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tiers: users of the ``mpirun`` and ``demo_run`` fixtures start multi-process jobs (``mpi``);
+    every test marked neither ``mpi`` nor ``e2e`` runs in this process (``unit``)."""
+    for item in items:
+        if {"mpirun", "demo_run"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.mpi)
+        if not any(item.get_closest_marker(m) for m in ("mpi", "e2e")):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture
@@ -61,3 +76,72 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+# -- YATT jobs in the background (a test may signal or kill them) -----------------------------
+
+# The demo recipe, smaller: 4 steps of 2 prompts x 4 samples per rank, a checkpoint every step;
+# 5 prompts per rank, so step 3 crosses the data's epoch boundary.
+DEMO_ARGS = ("trainer.total_steps=4", "trainer.prompts_per_rank=2", "rollout.n=4", "rollout.max_tokens=24",
+             "data.train_size=10", "data.eval_size=8", "eval.max_tokens=16", "checkpoint.every_steps=1")
+DEMO_RECIPE = "configs/grpo_smollm2.yaml"
+
+
+def launch_job(out: Path, *extra: str, script: str | None = None) -> subprocess.Popen:
+    """``mpirun -np 2`` of the demo recipe with :data:`DEMO_ARGS` into ``out`` (``python -m yatt.launch``,
+    or ``script`` given the same arguments), stdout and stderr appended to ``<out>.log``; the job
+    runs in a session of its own (see :func:`kill_job`)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    entry = [script] if script else ["-m", "yatt.launch"]
+    cmd = [str(MPIRUN), "-np", "2", sys.executable, *entry, "--config", DEMO_RECIPE, *DEMO_ARGS,
+           f"output_dir={out}", *extra]
+    log = open(out.parent / f"{out.name}.log", "ab")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_job(proc: subprocess.Popen, until=None, timeout: float = 400) -> int | None:
+    """Wait for the job to end (its exit code) or for ``until()`` to hold (None); kills the job
+    and fails the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if until is not None and until():
+            return None
+        if proc.poll() is not None:
+            return proc.returncode
+        time.sleep(0.05)
+    kill_job(proc)
+    pytest.fail("the job did not reach the expected point in time")
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL mpirun and every rank (hydra starts each rank in a session of its own)."""
+    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in reversed(procs):
+        p.kill()
+    psutil.wait_procs(procs, timeout=30)
+    proc.wait()
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """A finished 4-step demo run: its output folder and its log (both ranks' stdout + stderr)."""
+
+    out: Path
+    log: str
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> DemoRun:
+    """One uninterrupted run of the demo recipe (:data:`DEMO_ARGS`), started once per session and
+    shared: test_resume's reference, test_e2e's data-parallel run, test_logs' log. It goes through
+    ``tests/mpi/planted_warnings.py``, which runs ``yatt.launch.main`` unchanged and then plants two
+    warnings that need action (the run's metrics and files are those of ``python -m yatt.launch``)."""
+    out = tmp_path_factory.mktemp("demo") / "ref"
+    code = wait_job(launch_job(out, script="tests/mpi/planted_warnings.py"))
+    log = (out.parent / "ref.log").read_text()
+    assert code == 0, log[-4000:]
+    return DemoRun(out, log)

@@ -30,6 +30,8 @@ def test_bad_arguments_name_the_key():
         Trainer("m").config(ppo_epochs=0)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_one_step_run_under_mpirun(mpirun, tmp_path):
     out = tmp_path / "run"
     proc = mpirun(["tests/mpi/api_train.py", str(out)], 2, timeout=600)

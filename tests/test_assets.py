@@ -6,6 +6,7 @@ import pytest
 from yatt.assets import model as assets
 
 
+@pytest.mark.slow
 def test_packaged_model_converts_once_into_a_fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("YATT_CACHE", str(tmp_path))
     path = assets.resolve_model(assets.SMOLLM2)

@@ -2,6 +2,8 @@
 the owners' layout's, over both transports."""
 import pytest
 
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
 
 @pytest.mark.parametrize("ranks, args", [(2, ["train"]), (4, [])])
 def test_dp_balance_matches_own_layout(mpirun, ranks, args):

@@ -89,6 +89,7 @@ def test_real_mpirun_world_of_two(mpirun):
     _world_of_two(_ranks(mpirun(["tests/mpi/rank_check.py"], 2, timeout=120).stdout), "mpi")
 
 
+@pytest.mark.mpi
 def test_real_torchrun_world_of_two():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", "2", "--standalone", "tests/mpi/rank_check.py"]
@@ -97,6 +98,7 @@ def test_real_torchrun_world_of_two():
     _world_of_two(_ranks(out.stdout), "torchrun")
 
 
+@pytest.mark.mpi
 def test_stand_in_srun_world_of_two(tmp_path):
     """An ``srun -n 2`` stand-in that starts the tasks with the variables srun gives a step."""
     srun = tmp_path / "srun"

@@ -141,6 +141,7 @@ def test_trained_checkpoint_exports_to_transformers(trained, exported):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
 
+@pytest.mark.slow
 def test_vllm_loads_the_export(world1, trained, exported):
     from transformers import AutoModelForCausalLM
 

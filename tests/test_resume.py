@@ -1,6 +1,7 @@
 """Exact resume of the demo recipe under ``mpirun -np 2``, after a SIGKILL and after a SIGTERM.
 
-One uninterrupted 4-step run is the reference. A second run in another folder is SIGKILLed (every
+One uninterrupted 4-step run is the reference (conftest's ``demo_run``, which test_e2e and
+test_logs check too). A second run in another folder is SIGKILLed (every
 process of the job) while the async write of step 2's checkpoint is in flight during step 3's
 rollout and training; ``resume=auto`` must continue from step 1 (the last complete checkpoint),
 and is sent SIGTERM after its first step: it saves, exits with code 75, and a last
@@ -11,53 +12,16 @@ and 2 per step: step 3 crosses it).
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from conftest import MPIRUN, ROOT, _DIST_ENV, tensorboard_scalars
+from conftest import kill_job, launch_job, tensorboard_scalars, wait_job
 
-ARGS = ["trainer.total_steps=4", "trainer.prompts_per_rank=2", "rollout.n=4", "rollout.max_tokens=24",
-        "data.train_size=10", "data.eval_size=8", "eval.max_tokens=16", "checkpoint.every_steps=1"]
+pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 _TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
-
-
-def _launch(out: Path, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(MPIRUN), "-np", "2", sys.executable, "-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml",
-           *ARGS, f"output_dir={out}", *extra]
-    log = open(out.parent / f"{out.name}.log", "ab")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait(proc: subprocess.Popen, until=None, timeout: float = 400) -> int | None:
-    """Wait for the job to end (its exit code) or for ``until()`` to hold (None)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if until is not None and until():
-            return None
-        if proc.poll() is not None:
-            return proc.returncode
-        time.sleep(0.05)
-    _kill_job(proc)
-    pytest.fail("the job did not reach the expected point in time")
-
-
-def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL mpirun and every rank (hydra starts each rank in a session of its own)."""
-    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in reversed(procs):
-        p.kill()
-    psutil.wait_procs(procs, timeout=30)
-    proc.wait()
 
 
 def _records(out: Path) -> list[dict]:
@@ -74,9 +38,8 @@ def _steps(out: Path) -> list[int]:
     return [r["step"] for r in _records(out) if "reward_mean" in r]
 
 
-def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path):
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert _wait(_launch(ref)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, demo_run):
+    ref, run = demo_run.out, tmp_path / "run"
     ckpts = ref / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     # no stale weights: consecutive checkpoints differ (retention kept steps 3 and 4)
@@ -84,25 +47,25 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path):
     assert any(not torch.equal(w3[k], w4[k]) for k in w3)
 
     # 1. SIGKILL while step 2's checkpoint is being written (step 3 trains meanwhile)
-    proc = _launch(run)
+    proc = launch_job(run)
     tmp2, done2 = run / "checkpoints" / "step_000002.tmp", run / "checkpoints" / "step_000002"
-    assert _wait(proc, until=lambda: tmp2.is_dir()) is None
-    _kill_job(proc)
+    assert wait_job(proc, until=lambda: tmp2.is_dir()) is None
+    kill_job(proc)
     assert not done2.exists() and (run / "checkpoints" / "step_000001" / "meta.json").is_file()
 
     # 2. resume=auto continues from step 1; SIGTERM once its first step is recorded
-    proc = _launch(run)
+    proc = launch_job(run)
     log = tmp_path / "run.log"
-    assert _wait(proc, until=lambda: "step    2 |" in log.read_text().partition("resumed from")[2]) is None
+    assert wait_job(proc, until=lambda: "step    2 |" in log.read_text().partition("resumed from")[2]) is None
     proc.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
-    assert _wait(proc) == 75, (tmp_path / "run.log").read_text()[-4000:]
+    assert wait_job(proc) == 75, (tmp_path / "run.log").read_text()[-4000:]
     text = log.read_text().partition("resumed from")[2]
     assert "step_000001 (step 1)" in text and "Traceback" not in text  # a clean stop: engines closed first
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest in ("step_000002", "step_000003") and not list((run / "checkpoints").glob("*.tmp"))
 
     # 3. resume=auto finishes the run
-    assert _wait(_launch(run)) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert wait_job(launch_job(run)) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert _records(run) == _records(ref)
     assert _steps(run) == [1, 2, 3, 4]
     # TensorBoard, over the killed, preempted and finishing runs' event files, shows each step once

@@ -1,4 +1,7 @@
 """tests/mpi/rollout_dp.py under ``mpirun -np 2``: two vLLM engines, data parallel, uneven prompts."""
+import pytest
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 def test_rollout_data_parallel_mpi(mpirun):

@@ -1,5 +1,8 @@
 """Trainer -> engine weight sync under ``mpirun -np 2``: on-policy ratio (tests/mpi/sync_onpolicy.py)
 and the bucketed, resharded sync from a TP=2 or PP=2 trainer (tests/mpi/reshard_sync.py)."""
+import pytest
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 def test_sync_and_on_policy_ratio(mpirun):

@@ -5,6 +5,8 @@ Measured on 2 shared CPU cores: tp ~37 s, dp ~26 s.
 """
 import pytest
 
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
 
 @pytest.mark.parametrize("mode,ranks", [("tp", 3), ("dp", 2), ("subgroup", 3)])
 def test_trainer_under_mpirun(mpirun, mode, ranks):
