@@ -1,6 +1,4 @@
-"""``from yatt import Trainer``: arguments map onto the typed config; a 1-step run under mpirun -np 2."""
-import json
-
+"""``from yatt import Trainer``: arguments map onto the typed config (its run under mpirun: test_e2e)."""
 import pytest
 
 from yatt import Trainer
@@ -30,12 +28,5 @@ def test_bad_arguments_name_the_key():
         Trainer("m").config(ppo_epochs=0)
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_one_step_run_under_mpirun(mpirun, tmp_path):
-    out = tmp_path / "run"
-    proc = mpirun(["tests/mpi/api_train.py", str(out)], 2, timeout=600)
-    assert "api OK 3" in proc.stdout  # eval at 0, step 1, eval at 1
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 1] and "reward_mean" in records[1]
-    assert (out / "config.yaml").exists() and not (out / "checkpoints" / "latest").exists()
+
+# The API's run under mpirun -np 2: tests/test_e2e.py (tests/mpi/api_train.py).

@@ -1,12 +1,18 @@
 """The demo recipe end to end under ``mpirun -np 2``: data parallelism (conftest's shared 4-step
-``demo_run``), a 2-stage pipeline with DAPO dynamic sampling (2 steps); the GenRM recipe in each
-placement mode (2 steps each)."""
+``demo_run``), a 2-stage pipeline with DAPO dynamic sampling through the Python API (2 steps); the
+GenRM recipe in each placement mode (2 steps each)."""
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from conftest import tensorboard_scalars
+
+_spec = importlib.util.spec_from_file_location("trainer_tp", Path(__file__).parent / "mpi" / "trainer_tp.py")
+ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ref)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 
@@ -57,12 +63,12 @@ def test_data_parallel_demo_run_writes_finite_metrics(demo_run):
     _check_run(demo_run.out, demo_run.log, steps=4)
 
 
-def test_pipeline_run_with_dynamic_sampling_writes_finite_metrics(mpirun, tmp_path):
-    """One 2-stage pipeline (DP=1) with DAPO dynamic sampling (one extra round at most)."""
+def test_api_run_on_a_pipeline_with_dynamic_sampling_writes_finite_metrics(mpirun, tmp_path):
+    """tests/mpi/api_train.py: ``Trainer(...).train`` as a user script; one 2-stage pipeline (DP=1)
+    with DAPO dynamic sampling (one extra round at most), as SHORT's settings."""
     out = tmp_path / "run"
-    proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml", *SHORT, f"output_dir={out}",
-                   "rollout.n=4", "trainer.pp=2", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=1"],
-                  2, timeout=900)
+    proc = mpirun(["tests/mpi/api_train.py", str(out)], 2, timeout=900)
+    assert "api OK 4" in proc.stdout  # rank 0's records: eval at 0, steps 1 and 2, eval at 2
     _check_run(out, proc.stderr, steps=2, stages=2, dynamic=True)
 
 
@@ -74,13 +80,23 @@ def _check_tensorboard_and_bars(out, train, stderr: str) -> None:
     assert "steps: 100%" in stderr and "rollout: 100%" in stderr, stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 with SmolLM2's tokenizer (tests/mpi/trainer_tp.py's ``save_tiny_vllm``)."""
+    path = tmp_path_factory.mktemp("tiny_policy")
+    ref.save_tiny_vllm(path, tied=True)
+    return path
+
+
 @pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
-def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, mode):
+def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy, mode):
+    """These runs check the placements (where sampling, judging and training run, the streaming, the
+    engine switches and the weight push), which need no real policy or large judge: a tiny random
+    policy and SmolLM2 as the judge. The demo policy trains in the runs above; test_genrm checks the
+    0.5B judge itself (its P(yes) ranks right answers above wrong ones)."""
     out = tmp_path / "run"
-    # The light judge (the policy's model) judges here: these runs check the placements; test_genrm checks
-    # the 0.5B judge itself (its P(yes) ranks right answers above wrong ones).
     proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", *SHORT,
-                   f"placement.mode={mode}", f"output_dir={out}", "rollout.n=2",
+                   f"placement.mode={mode}", f"output_dir={out}", "rollout.n=2", f"model.path={tiny_policy}",
                    "reward.genrm.model=smollm2-135m-instruct"], 2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]

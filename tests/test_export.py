@@ -32,10 +32,7 @@ _spec.loader.exec_module(ref)
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER_ATOL = 1e-4  # exported weights in transformers vs the trainer, fp32; measured 2e-6
 VLLM_ATOL = 1e-3  # vLLM vs transformers / trainer (as tests/test_rollout.py HF_ATOL); measured 2e-6
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-# vLLM's CPU attention needs head dim >= 32: 4 heads / 2 KV heads of 32; SmolLM2's tokenizer (49152)
-TINY_VLLM = {"vocab_size": 49155, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
-             "intermediate_size": 192, "max_position_embeddings": 256}
+TOKENIZER_FILES = ref.TOKENIZER_FILES
 
 
 def write_checkpoint(root: Path, step: int, shards: dict[tuple[int, int], dict], *, model_path: Path,
@@ -93,14 +90,10 @@ def split_tp_pp(hf_state: dict, layout, pp: int) -> dict[tuple[int, int], dict]:
 @pytest.fixture(scope="module")
 def trained(world1, tmp_path_factory):
     """(base HF folder, initial HF model, checkpoint root, policy after one step, sequences)."""
-    from yatt.assets.model import SMOLLM2, resolve_model
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
 
     base = tmp_path_factory.mktemp("base")
-    initial = ref.save_tiny_hf(base, "qwen2", tied=True, **TINY_VLLM)
-    for f in resolve_model(SMOLLM2).iterdir():
-        if f.name in TOKENIZER_FILES:
-            shutil.copy(f, base / f.name)
+    initial = ref.save_tiny_vllm(base, tied=True)
     policy = MegatronPolicy(base, optim=OptimConfig(lr=1e-3))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (17, 30)]

@@ -1,4 +1,6 @@
-"""The Python API under ``mpirun -np 2``: a 1-step GRPO run of the demo model, as a user script.
+"""The Python API under ``mpirun -np 2``, as a user script: 2 GRPO steps of the demo model on a
+2-stage pipeline with DAPO dynamic sampling (test_e2e checks the run's files; the settings reach
+the job only through ``Trainer``'s arguments and overrides).
 
 ``python tests/mpi/api_train.py OUTPUT_DIR``; rank 0 prints ``api OK <n records>``.
 """
@@ -11,13 +13,14 @@ from yatt import Trainer
 out = sys.argv[1]
 trainer = Trainer(actor_model="smollm2-135m-instruct", reward_model=None, strategy="colocate",
                   recipe="configs/grpo_smollm2.yaml",
-                  overrides={"output_dir": out, "trainer.total_steps": 1, "rollout.n": 4, "rollout.max_tokens": 24,
-                             "data.eval_size": 8, "eval.max_tokens": 16, "checkpoint.save_final": False})
+                  overrides={"output_dir": out, "trainer.total_steps": 2, "trainer.pp": 2, "rollout.n": 2,
+                             "rollout.max_tokens": 24, "data.eval_size": 8, "eval.max_tokens": 16,
+                             "algo.dynamic_sampling": True, "algo.max_sampling_rounds": 1})
 records = trainer.train(dataset="basic_arithmetic", batch_size=4, ppo_epochs=1)
 if records:  # rank 0
     train = [r for r in records if "reward_mean" in r]
-    assert [r["step"] for r in train] == [1], records
-    assert all(math.isfinite(v) for k, v in train[0].items() if isinstance(v, float)), train[0]
+    assert [r["step"] for r in train] == [1, 2], records
+    assert all(math.isfinite(v) for r in train for v in r.values() if isinstance(v, float)), train
     on_disk = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     assert [r["step"] for r in on_disk] == [r["step"] for r in records], (on_disk, records)
     print(f"api OK {len(records)}", flush=True)

@@ -101,27 +101,38 @@ def save_tiny_hf(path, model_type: str = "qwen2", *, vocab_size: int = 100, tied
     return model.eval()
 
 
+# vLLM's CPU attention needs head dim >= 32: 4 heads / 2 KV heads of 32; SmolLM2's tokenizer (49152)
+TINY_VLLM = {"vocab_size": 49155, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
+             "intermediate_size": 192, "max_position_embeddings": 256}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def save_tiny_vllm(path, **config):
+    """:func:`save_tiny_hf` of a Qwen2 that vLLM's CPU backend serves (:data:`TINY_VLLM`, then
+    ``config``), with SmolLM2's tokenizer files (:data:`TOKENIZER_FILES`) beside it. Returns the HF model."""
+    import shutil
+
+    from yatt.assets.model import resolve_model
+
+    model = save_tiny_hf(path, "qwen2", **(TINY_VLLM | config))
+    for f in resolve_model(MODEL).iterdir():
+        if f.name in TOKENIZER_FILES:
+            shutil.copy(f, path / f.name)
+    return model
+
+
 def tiny_model_dir(rank: int, tag: str, **config):
-    """A tiny random Qwen2 (:func:`save_tiny_hf` with ``config``; vocabulary 49155, head dim 32 for vLLM's
-    CPU attention) with SmolLM2's real tokenizer beside it, written by rank 0 to a temp folder named by
+    """:func:`save_tiny_vllm` (4 layers, then ``config``) written by rank 0 to a temp folder named by
     ``tag`` and the job's MASTER_PORT; every rank returns the folder after a barrier."""
     import os
-    import shutil
     import tempfile
     from pathlib import Path
 
     import torch.distributed as dist
 
-    from yatt.assets.model import resolve_model
-
     path = Path(tempfile.gettempdir()) / f"yatt_{tag}_{os.environ.get('MASTER_PORT', '0')}"
     if rank == 0:
-        fields = dict(vocab_size=49155, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      hidden_size=128, intermediate_size=192, max_position_embeddings=256)
-        save_tiny_hf(path, "qwen2", **(fields | config))
-        for f in resolve_model(MODEL).iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-                shutil.copy(f, path / f.name)
+        save_tiny_vllm(path, **({"num_hidden_layers": 4} | config))
     dist.barrier()
     return path
 
