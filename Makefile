@@ -35,8 +35,9 @@ $(VENV)/.assets: $(VENV)/.ext yatt/assets/model.py
 demo: setup
 	OMP_NUM_THREADS=1 $(BIN)/mpirun -np $(NP) $(BIN)/python -m yatt.launch --config $(CONFIG) $(ARGS)
 
+# Ends with the 15 slowest tests (README, Tests: where the time goes).
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # The quick tier for iterating: every test not marked slow (README, Tests).
 test-quick: setup

@@ -2,7 +2,6 @@
 one demo-recipe run that several test files check (``demo_run``)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,18 @@ MPIRUN = Path(sys.prefix) / "bin" / "mpirun"
 # Set by yatt.dist / torch.distributed in this pytest process: a child rank that inherits
 # MASTER_PORT would try to join this process's (world 1) store.
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# MPICH busy-polls while a rank waits, so a job with more ranks than cores (-np 3 and 4 on our 2) spends
+# cores spinning: yielding at every poll took tests/mpi/dp_balance.py at -np 4 from 30 s to 23 s (sys 24 -> 10 s).
+_JOB_ENV = {"OMP_NUM_THREADS": "1", "MPIR_CVAR_POLLS_BEFORE_YIELD": "1"}
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a job a test starts: this one without torch.distributed's or an MPI
+    launcher's variables (pytest itself may hold them), one thread per rank, the repo on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith(("PMI_", "PMIX_", "OMPI_"))}
+    env.update(_JOB_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -38,11 +49,8 @@ def mpirun():
     root with one thread per rank.
     """
     def run(args: list[str], ranks: int, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-        env.update(extra_env)
         cmd = [str(MPIRUN), "-np", str(ranks), sys.executable, *map(str, args)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, env=job_env(**extra_env), capture_output=True, text=True, timeout=timeout)
         tail = f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{tail}"
         return proc
@@ -91,13 +99,11 @@ def launch_job(out: Path, *extra: str, script: str | None = None) -> subprocess.
     """``mpirun -np 2`` of the demo recipe with :data:`DEMO_ARGS` into ``out`` (``python -m yatt.launch``,
     or ``script`` given the same arguments), stdout and stderr appended to ``<out>.log``; the job
     runs in a session of its own (see :func:`kill_job`)."""
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     entry = [script] if script else ["-m", "yatt.launch"]
     cmd = [str(MPIRUN), "-np", "2", sys.executable, *entry, "--config", DEMO_RECIPE, *DEMO_ARGS,
            f"output_dir={out}", *extra]
     log = open(out.parent / f"{out.name}.log", "ab")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_job(proc: subprocess.Popen, until=None, timeout: float = 400) -> int | None:
@@ -129,9 +135,6 @@ class DemoRun:
 
     out: Path
     log: str
-
-    def records(self) -> list[dict]:
-        return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from yatt.watchdog import EXIT_RANK_LOST, Beat, Monitor, Snapshot, Watchdog, observe, stale
 
-from conftest import _DIST_ENV, MPIRUN, ROOT
+from conftest import MPIRUN, ROOT, job_env
 
 SCRIPT = ROOT / "tests" / "mpi" / "watchdog.py"
 TIMEOUT = 5.0  # the watchdog's timeout in the jobs; heartbeat every 0.5 s
@@ -191,13 +191,6 @@ def test_watchdog_rejects_bad_settings_and_is_a_no_op_alone():
 
 # -- real jobs ---------------------------------------------------------------------------------
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith(("PMI_", "PMIX_", "OMPI_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    env.update(extra)
-    return env
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -223,7 +216,7 @@ def run_job(args: list[str], ranks: int, mpi: bool = True, wait_for: list[int] |
     others are then killed). Every process is killed on timeout, and none may survive."""
     cmd = [sys.executable, str(SCRIPT), *args]
     if mpi:
-        procs = [subprocess.Popen([str(MPIRUN), "-np", str(ranks), *cmd], cwd=ROOT, env=_env(), text=True,
+        procs = [subprocess.Popen([str(MPIRUN), "-np", str(ranks), *cmd], cwd=ROOT, env=job_env(), text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)]
         wait_for = [0]
     else:
@@ -232,7 +225,7 @@ def run_job(args: list[str], ranks: int, mpi: bool = True, wait_for: list[int] |
             port = s.getsockname()[1]
         procs = [subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   start_new_session=True,
-                                  env=_env(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(ranks),
+                                  env=job_env(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(ranks),
                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
                  for r in range(ranks)]
     deadline = time.monotonic() + limit
