@@ -26,10 +26,10 @@ SHORT = ["trainer.total_steps=2", "trainer.prompts_per_rank=2", "data.eval_size=
          "eval.max_tokens=16"]
 
 
-def _check_run(out, log: str, steps: int, stages: int = 1, dynamic: bool = False) -> list[dict]:
+def _check_run(out, log: str, steps: int, stages: int = 1, dynamic: bool = False) -> None:
     """The checks every demo-recipe run must pass: finite metrics at each step, the step-0 and
     final evals, the final checkpoint (one model file per pipeline stage), config.yaml,
-    TensorBoard and the progress bars. Returns the train records."""
+    TensorBoard and the progress bars."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
@@ -56,7 +56,6 @@ def _check_run(out, log: str, steps: int, stages: int = 1, dynamic: bool = False
         assert 0.0 <= r["eval_accuracy"] <= 1.0
     assert (out / "config.yaml").exists()
     _check_tensorboard_and_bars(out, train, log)
-    return train
 
 
 def test_data_parallel_demo_run_writes_finite_metrics(demo_run):
@@ -65,7 +64,7 @@ def test_data_parallel_demo_run_writes_finite_metrics(demo_run):
 
 def test_api_run_on_a_pipeline_with_dynamic_sampling_writes_finite_metrics(mpirun, tmp_path):
     """tests/mpi/api_train.py: ``Trainer(...).train`` as a user script; one 2-stage pipeline (DP=1)
-    with DAPO dynamic sampling (one extra round at most), as SHORT's settings."""
+    with DAPO dynamic sampling (one extra round at most); the script holds the settings."""
     out = tmp_path / "run"
     proc = mpirun(["tests/mpi/api_train.py", str(out)], 2, timeout=900)
     assert "api OK 4" in proc.stdout  # rank 0's records: eval at 0, steps 1 and 2, eval at 2
