@@ -2,6 +2,7 @@
 one demo-recipe run that several test files check (``demo_run``)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIRUN = Path(sys.prefix) / "bin" / "mpirun"
+
+
+def _mpi_script(name: str):
+    """``tests/mpi/<name>.py`` as a module (its reference helpers, imported once per session)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "mpi" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+trainer_tp = _mpi_script("trainer_tp")  # tiny HF models and the HF references of the trainer tests
+
 # Set by yatt.dist / torch.distributed in this pytest process: a child rank that inherits
 # MASTER_PORT would try to join this process's (world 1) store.
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

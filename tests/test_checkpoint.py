@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
@@ -38,9 +37,7 @@ from yatt.checkpoint.files import commit, committed_steps, find_latest, prune, r
 from yatt.checkpoint.saver import Checkpointer, HostSnapshot, load_part
 from yatt.checkpoint.triggers import EXIT_PREEMPTED, SaveTriggers
 
-_spec = importlib.util.spec_from_file_location("trainer_tp", Path(__file__).parent / "mpi" / "trainer_tp.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+from conftest import trainer_tp as ref
 
 
 def fake_checkpoint(root: Path, step: int, *, tmp: bool = False, latest: bool = False, payload: str = "") -> Path:

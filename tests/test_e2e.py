@@ -1,18 +1,14 @@
 """The demo recipe end to end under ``mpirun -np 2``: data parallelism (conftest's shared 4-step
 ``demo_run``), a 2-stage pipeline with DAPO dynamic sampling through the Python API (2 steps); the
 GenRM recipe in each placement mode (2 steps each)."""
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from conftest import tensorboard_scalars
+from conftest import tensorboard_scalars, trainer_tp as ref
 
-_spec = importlib.util.spec_from_file_location("trainer_tp", Path(__file__).parent / "mpi" / "trainer_tp.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 

@@ -11,7 +11,6 @@ Checkpoints are written here by hand in the format of the trainer's checkpoints 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -25,9 +24,8 @@ import torch
 from yatt.checkpoint import files
 from yatt.export import export_checkpoint, main
 
-_spec = importlib.util.spec_from_file_location("trainer_tp", Path(__file__).parent / "mpi" / "trainer_tp.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+from conftest import trainer_tp as ref
+
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER_ATOL = 1e-4  # exported weights in transformers vs the trainer, fp32; measured 2e-6

@@ -1,5 +1,6 @@
 """Library lines that need no action are dropped (yatt/logs.py), others still show, and
-``log.level=all`` brings the dropped ones back; a 1-step job prints YATT's lines and real warnings only."""
+``log.level=all`` brings the dropped ones back; a job (conftest's shared demo run) prints YATT's lines and
+real warnings only."""
 import logging
 import os
 import re

@@ -7,16 +7,13 @@ grad norm relative diff vs HF autograd 6e-5.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-_spec = importlib.util.spec_from_file_location("trainer_tp", Path(__file__).parent / "mpi" / "trainer_tp.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+from conftest import trainer_tp as ref
+
 
 LOGITS_ATOL = 2e-4
 
