@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -114,3 +115,13 @@ def test_stand_in_srun_world_of_two(tmp_path):
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     _world_of_two(_ranks(out.stdout), "slurm")
+
+
+def test_wait_until_sleeps_between_polls():
+    """A rank waiting on MPI gives its core away: over a 50 ms wait ``done`` is polled about once a
+    millisecond (the backoff's cap), not in a spin of thousands of calls."""
+    from yatt.dist import wait_until
+
+    calls, end = [], time.monotonic() + 0.05
+    wait_until(lambda: calls.append(1) or time.monotonic() >= end)
+    assert time.monotonic() >= end and len(calls) <= 70, len(calls)

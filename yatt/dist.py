@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -112,11 +113,34 @@ def mpi_comm(ranks: Sequence[int]):
         return None
     from mpi4py import MPI
 
+    if list(ranks) == list(range(MPI.COMM_WORLD.Get_size())):
+        mpi_arrive(MPI.COMM_WORLD)  # creating it is collective: wait asleep for the last rank
     group = MPI.COMM_WORLD.Get_group().Incl(list(ranks))
     try:
         return MPI.COMM_WORLD.Create_group(group)
     finally:
         group.Free()
+
+
+def wait_until(done: Callable[[], bool], max_sleep_s: float = 1e-3) -> None:
+    """Call ``done()`` until it returns True, sleeping between calls (10 us, doubling up to
+    ``max_sleep_s``): a waiting rank gives its core away instead of spinning.
+
+    MPI implementations busy-poll inside blocking calls (MPICH spins, at best yielding); where
+    ranks share cores (CPU jobs, colocated engines, more ranks than cores) the spinning ranks slow
+    the one that is still working. ``done`` is an MPI test (``Request.Test``, ``iprobe``), which
+    also drives MPI's progress. A wait ends at most ``max_sleep_s`` (seconds) after its event.
+    """
+    sleep_s = 1e-5
+    while not done():
+        time.sleep(sleep_s)
+        sleep_s = min(2 * sleep_s, max_sleep_s)
+
+
+def mpi_arrive(comm) -> None:
+    """Wait, sleeping (:func:`wait_until`), until every rank of the mpi4py ``comm`` has reached this
+    call; then a collective that follows runs without ranks spinning for a late one."""
+    wait_until(comm.Ibarrier().Test)
 
 
 def _free_port() -> int:
@@ -138,6 +162,7 @@ def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> Ra
     if info.source == "mpi" and "MASTER_PORT" not in os.environ:
         from mpi4py import MPI
 
+        mpi_arrive(MPI.COMM_WORLD)  # ranks finish their imports at different times
         port = MPI.COMM_WORLD.bcast(_free_port() if info.rank == 0 else None, root=0)
         os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(port)

@@ -75,12 +75,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from yatt.assets.model import resolve_model
+    from yatt.dist import mpi_arrive  # ranks wait asleep, not spinning, for rank 0's files and the subgroups
 
     world = MPI.COMM_WORLD
     assert world.size == 4, "run with mpirun -np 4"
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     folder = world.bcast(tempfile.mkdtemp(prefix="yatt_data_mem_") if world.rank == 0 else None)
-    paths = world.bcast(write_files(folder) if world.rank == 0 else None)
+    files = write_files(folder) if world.rank == 0 else None
+    mpi_arrive(world)
+    paths = world.bcast(files)
     tracemalloc.start()
     peaks = {}
     runs = [("jsonl", SMALL, 1)] + [(fmt, rows, n) for fmt in ("jsonl", "parquet") for rows, n in
@@ -92,7 +95,7 @@ def main() -> None:
             if i:  # the first run warms caches (chat template, imports) and is not counted
                 peaks[fmt, rows, n] = peak
             comm.Free()
-        world.Barrier()
+        mpi_arrive(world)
     if world.rank == 0:
         for key, peak in peaks.items():
             print("peak %-7s rows %5d ranks %d: %7.1f KiB" % (*key, peak / 1024))

@@ -25,7 +25,7 @@ from yatt.algos.update import mini_batch_bounds
 from yatt.balance import DpPlan, dp_balance
 from yatt.config import BalanceConfig
 from yatt.controller.batch import Sample
-from yatt.dist import mpi_comm
+from yatt.dist import mpi_arrive, mpi_comm
 
 _FINISH = ("stop", "length")
 _HEADER = 3  # float64 per sample: reward, advantage, finish-reason code
@@ -241,6 +241,7 @@ class _Exchange:
         if self.size == 1:
             return [obj]
         if self.comm is not None:
+            mpi_arrive(self.comm)  # ranks reach a step's exchange at different times: wait asleep
             return self.comm.allgather(obj)
         out = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
@@ -256,6 +257,7 @@ class _Exchange:
         if self.comm is not None:
             from mpi4py import MPI
 
+            mpi_arrive(self.comm)
             self.comm.Alltoallv([sbuf, (sizes, _offsets(sizes)), MPI.BYTE],
                                 [rbuf, (list(recv_bytes), _offsets(recv_bytes)), MPI.BYTE])
         else:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from yatt.dist import wait_until
+
 ITEM, DONE, LOAD, FIN = 1, 2, 3, 4
 
 
@@ -57,7 +59,7 @@ class StreamSender:
         for j in range(self.judges):
             self._requests.append(self.inter.isend(None, dest=j, tag=DONE))
         t0 = time.perf_counter()
-        MPI.Request.waitall(self._requests)
+        wait_until(lambda: MPI.Request.Testall(self._requests))  # asleep, not spinning (yatt.dist.wait_until)
         self._requests.clear()
         self._drain(block=True)
         return time.perf_counter() - t0
@@ -73,6 +75,8 @@ class StreamSender:
                 return
             if block and fins == self.judges:
                 return
+            if block:
+                wait_until(lambda: self.inter.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG))
             msg = self.inter.recv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
             if status.Get_tag() == LOAD:
                 self.load[status.Get_source()] = msg
@@ -135,7 +139,7 @@ class StreamReceiver:
         status = MPI.Status()
         if block:
             t0 = time.perf_counter()
-            self.inter.probe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+            wait_until(lambda: self.inter.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG))
             self.stats.idle_s += time.perf_counter() - t0
         got = False
         while self.inter.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
@@ -162,5 +166,5 @@ class StreamReceiver:
 
         for s in range(self.samplers):
             self._requests.append(self.inter.isend(None, dest=s, tag=FIN))
-        MPI.Request.waitall(self._requests)
+        wait_until(lambda: MPI.Request.Testall(self._requests))
         self._requests.clear()
