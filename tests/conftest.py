@@ -101,10 +101,10 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 # -- YATT jobs in the background (a test may signal or kill them) -----------------------------
 
-# The demo recipe, smaller: 4 steps of 2 prompts x 2 samples per rank, a checkpoint every step;
-# 5 prompts per rank, so step 3 crosses the data's epoch boundary.
-DEMO_ARGS = ("trainer.total_steps=4", "trainer.prompts_per_rank=2", "rollout.n=2", "rollout.max_tokens=24",
-             "data.train_size=10", "data.eval_size=8", "eval.max_tokens=16", "checkpoint.every_steps=1")
+# The demo recipe, smaller: 4 steps of 1 prompt x 2 samples per rank, a checkpoint every step;
+# 3 prompts per rank, so step 4 crosses the data's epoch boundary.
+DEMO_ARGS = ("trainer.total_steps=4", "trainer.prompts_per_rank=1", "rollout.n=2", "rollout.max_tokens=24",
+             "data.train_size=6", "data.eval_size=4", "eval.max_tokens=16", "checkpoint.every_steps=1")
 DEMO_RECIPE = "configs/grpo_smollm2.yaml"
 
 

@@ -6,8 +6,8 @@ process of the job) while the async write of step 2's checkpoint is in flight du
 rollout and training; ``resume=auto`` must continue from step 1 (the last complete checkpoint),
 and is sent SIGTERM after its first step: it saves, exits with code 75, and a last
 ``resume=auto`` finishes the run. Every metric of every step must equal the reference's (CPU runs
-with fixed seeds are deterministic), also across the data's epoch boundary (5 prompts per rank
-and 2 per step: step 3 crosses it).
+with fixed seeds are deterministic), also across the data's epoch boundary (3 prompts per rank
+and 1 per step: step 4 crosses it).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ old/ref logprobs and updates; the new weights go into the rollout engines.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -47,6 +48,9 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     from yatt.rollout.vllm_engine import SamplingSpec, VLLMEngine
     from yatt.trainer.actor import MegatronPolicy, OptimConfig, init_parallel_state
 
+    # The libraries' objects live as long as the job: full collections stop walking them (vLLM's engine
+    # does the same at start-up, yatt.rollout.vllm_engine; its shutdown unfreezes).
+    gc.freeze()
     model_path = _resolve_model_once(cfg.model.path, info)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.type != "rule" else None
