@@ -112,10 +112,12 @@ def test_pipeline_size_must_split_the_layers_and_the_world(tmp_path, override, m
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["algo.dynamic_sampling=true", "rollout.n=1"], "algo.dynamic_sampling: needs rollout.n >= 2"),
+    (["rollout.n=1"], "rollout.n: GRPO's advantage is group-relative"),
+    (["rollout.n=1", "algo.dynamic_sampling=true"], "rollout.n: GRPO's advantage is group-relative"),
     (["algo.dynamic_sampling=true", "trainer.balance.enabled=false"], "needs trainer.balance.enabled"),
 ])
-def test_dynamic_sampling_needs_groups_and_balancing(overrides, expected):
+def test_recipes_that_cannot_learn_are_refused(overrides, expected):
+    """Refused when the recipe is read, before any model loads, naming the key."""
     with pytest.raises(ConfigError, match=expected):
         load_config(RECIPE, overrides)
     assert load_config(RECIPE, ["algo.dynamic_sampling=true"]).algo.max_sampling_rounds == 2

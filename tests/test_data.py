@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from yatt.assets.data import PromptStream, load_prompts
+from yatt.assets.data import SKIP_REASONS, PromptStream, load_prompts
 from yatt.assets.model import resolve_model
 from yatt.config import DataConfig
 from yatt.controller.shard import PromptShard
@@ -21,7 +21,7 @@ def test_reasoning_gym_shards_are_disjoint_and_templated(tokenizer):
     cfg = DataConfig(task="basic_arithmetic", train_size=20, eval_size=10, seed=3)
     r0, s0 = load_prompts(cfg, tokenizer, "train", 0, 2)
     r1, s1 = load_prompts(cfg, tokenizer, "train", 1, 2)
-    assert s0.kept + s1.kept == 20 and s0.skipped == {"missing_field": 0, "too_long": 0}
+    assert s0.kept + s1.kept == 20 and not any(s0.skipped.values()) and set(s0.skipped) == set(SKIP_REASONS)
     assert not {r.entry["metadata"]["source_index"] for r in r0} & {r.entry["metadata"]["source_index"] for r in r1}
     text = tokenizer.decode(r0[0].prompt_ids)
     assert r0[0].question in text and text.rstrip().endswith("assistant")
@@ -36,21 +36,66 @@ def test_eval_split_is_held_out(tokenizer):
     assert stats.rows == len(evals)
 
 
-def test_bad_file_rows_are_skipped_and_counted(tokenizer, tmp_path):
-    rows = [
-        {"question": "What is 2 + 2?", "answer": "4"},
-        {"question": "", "answer": "1"},
-        {"answer": "3"},
-        {"question": "What is 1 + 1?"},
-        {"question": "word " * 500, "answer": "5"},
-        {"question": "What is 3 + 3?", "answer": 6},
+def _counts(**nonzero) -> dict[str, int]:
+    return {reason: nonzero.get(reason, 0) for reason in SKIP_REASONS}
+
+
+def test_bad_file_rows_are_skipped_and_counted(tokenizer, tmp_path, caplog):
+    """Every kind of malformed jsonl row is skipped and counted by reason; each reason is warned
+    about once per file, naming the file and the line."""
+    lines = [
+        json.dumps({"question": "What is 2 + 2?", "answer": "4"}),
+        json.dumps({"question": "", "answer": "1"}),            # 2: empty_field
+        json.dumps({"answer": "3"}),                            # 3: missing_field
+        json.dumps({"question": "What is 1 + 1?"}),             # 4: missing_field
+        json.dumps({"question": "word " * 500, "answer": "5"}),  # 5: too_long
+        '{"question": "What is 5 + 5?", "answer": "10"',        # 6: not_json (cut short)
+        json.dumps(["What is 7 + 7?", "14"]),                   # 7: not_json (not an object)
+        json.dumps({"question": 12, "answer": "12"}),           # 8: wrong_type
+        json.dumps({"question": "What is 9 + 9?", "answer": {"v": 18}}),  # 9: wrong_type
+        json.dumps({"question": "   ", "answer": "0"}),         # 10: empty_field
+        '{"question": "caf@", "answer": "1"}',                  # 11: not_json (Latin-1, not UTF-8)
+        json.dumps({"question": "What is 3 + 3?", "answer": 6}),
+        "not json at all",                                      # 13: not_json
     ]
     path = tmp_path / "train.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows))
+    path.write_bytes("\n".join(lines).encode().replace(b"caf@", b"caf\xe9"))
     cfg = DataConfig(source="file", train_files=[str(path)], max_prompt_len=64)
-    kept, stats = load_prompts(cfg, tokenizer, "train")
+    with caplog.at_level("WARNING", logger="yatt"):
+        kept, stats = load_prompts(cfg, tokenizer, "train")
     assert [r.answer for r in kept] == ["4", "6"]
-    assert stats.rows == 6 and stats.kept == 2 and stats.skipped == {"missing_field": 3, "too_long": 1}
+    assert stats.rows == 13 and stats.kept == 2
+    assert stats.skipped == _counts(not_json=4, missing_field=2, wrong_type=2, empty_field=2, too_long=1)
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: skipping")]
+    assert len(warned) == 5  # one per reason in this file
+    assert any(f"{path}, line 6 (not_json:" in m for m in warned), warned
+    assert any(f"{path}, line 8 (wrong_type: 'question' has type int)" in m for m in warned), warned
+    assert any(f"{path}, line 2 (empty_field" in m for m in warned), warned
+
+
+def test_unreadable_parquet_batch_is_skipped_and_counted(tokenizer, tmp_path):
+    """A parquet file cut short (its footer gone) is one ``unreadable`` skip; the healthy file
+    beside it is read whole."""
+    good = tmp_path / "good.parquet"
+    _write(good, GOOD[:8])
+    damaged = tmp_path / "damaged.parquet"
+    data = good.read_bytes()
+    damaged.write_bytes(data[: len(data) // 2])  # the footer is gone: the file cannot be opened
+    cfg = DataConfig(source="file", train_files=[str(good), str(damaged)], max_prompt_len=64)
+    kept, stats = load_prompts(cfg, tokenizer, "train")
+    assert len(kept) == 8 and stats.skipped == _counts(unreadable=1)
+
+
+def test_a_file_with_no_usable_row_stops_the_job(tokenizer, tmp_path):
+    """A few bad rows are skipped; a file none of whose rows is usable (here: the wrong key) is a
+    mistake, and drawing its first whole epoch stops with a message naming the file and the keys."""
+    good = _write(tmp_path / "good.jsonl", GOOD[:4])
+    wrong = _write(tmp_path / "wrong.jsonl", [{"prompt": r["question"], "answer": r["answer"]} for r in GOOD[:4]])
+    cfg = DataConfig(source="file", train_files=[good, wrong], max_prompt_len=64)
+    shard = PromptShard(PromptStream(cfg, tokenizer), batch_size=2, seed=0)
+    with pytest.raises(ValueError, match=r"no usable row in .*wrong\.jsonl.*missing_field.*question_key='question'"):
+        for _ in range(5):
+            shard.next_batch()
 
 
 def _write(path, rows):
@@ -104,7 +149,7 @@ def test_stream_files_rank_shards_disjoint_bad_rows_counted(tokenizer, tmp_path,
     rows = GOOD + BAD
     files = [_write(tmp_path / name, rows[i::len(names)]) for i, name in enumerate(names)]
     cfg = DataConfig(source="file", train_files=files, max_prompt_len=64)
-    seen, skipped = [], {"missing_field": 0, "too_long": 0}
+    seen, skipped = [], _counts()
     for rank in (0, 1):
         stream = PromptStream(cfg, tokenizer, rank, 2, buffer_size=8)
         shard = PromptShard(stream, batch_size=1, seed=rank)
@@ -115,7 +160,7 @@ def test_stream_files_rank_shards_disjoint_bad_rows_counted(tokenizer, tmp_path,
         again = _epoch_zero(PromptShard(stream, batch_size=1, seed=rank + 10))
         assert sorted(again) == sorted(seen[-1]) and again != seen[-1]  # same rows, other order
     assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == sorted(r["question"] for r in GOOD)
-    assert skipped == {"missing_field": 3, "too_long": 1}  # every bad row, on one rank
+    assert skipped == _counts(empty_field=1, missing_field=2, too_long=1)  # every bad row, on one rank
 
 
 def test_stream_reasoning_gym_generates_only_its_rows(tokenizer):
@@ -189,3 +234,19 @@ def test_rule_reward_uses_reasoning_gym_scorer():
     assert reward("<answer>7</answer>", entry) == 1.0
     assert extract_answer("3 + 4 = 7", "answer_tag") is None
     assert RuleReward("basic_arithmetic", extract="answer_tag")("3 + 4 = 7", entry) == 0.0
+
+
+@pytest.mark.parametrize("overrides", [{"eval_size": 0}, {"source": "file", "eval_files": []}])
+def test_no_eval_rows_means_no_eval(tokenizer, tmp_path, caplog, overrides):
+    """``data.eval_size=0`` (or no eval files): the run has no eval rows and says so; the total of 0
+    is what the loop's ``evaluate_at`` reads to write no eval record, not an accuracy of 0."""
+    from yatt.config import Config
+    from yatt.dist import RankInfo
+    from yatt.loop import _load_data
+
+    train = _write(tmp_path / "t.jsonl", GOOD[:4])
+    cfg = Config(data=DataConfig(train_files=[train], **overrides), output_dir=str(tmp_path / "run"))
+    with caplog.at_level("WARNING", logger="yatt"):
+        stream, evals, total = _load_data(cfg, tokenizer, RankInfo(0, 1, 0, "single"), (0,))
+    assert evals == [] and total == 0 and isinstance(stream, PromptStream)
+    assert any("eval: no eval rows" in r.getMessage() for r in caplog.records)

@@ -245,8 +245,9 @@ class Config(_Section):
         b = self.trainer.balance
         if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
             raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")
-        if self.algo.dynamic_sampling and self.rollout.n < 2:
-            raise ValueError("algo.dynamic_sampling: needs rollout.n >= 2 (a group of one has equal rewards)")
+        if self.algo.name == "grpo" and self.rollout.n < 2:  # refused before any model loads
+            raise ValueError("rollout.n: GRPO's advantage is group-relative (a reward minus its group's mean), so a "
+                             "group of one response has advantage 0 and nothing trains; use rollout.n >= 2")
         if self.algo.dynamic_sampling and not b.enabled:
             raise ValueError("algo.dynamic_sampling: needs trainer.balance.enabled (it gives ranks left without "
                              "informative groups a share of the batch)")

@@ -66,7 +66,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     placement = Placement(cfg, info.rank, info.world_size, build_engine, scorer,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     log.info("%s", placement.roles.describe())
-    train_rows, eval_rows = _load_data(cfg, tokenizer, info, placement.eval_ranks)
+    train_rows, eval_rows, eval_total = _load_data(cfg, tokenizer, info, placement.eval_ranks)
     shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
     t = cfg.trainer
     optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
@@ -101,10 +101,13 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
         return []
     writer = MetricsWriter(cfg.output_dir, info.rank, resume_step=start, tensorboard=cfg.log.tensorboard)
 
-    def evaluate_at(step: int) -> dict:
-        return _eval_record(step, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer, phase)
+    def evaluate_at(step: int) -> list[dict]:
+        """The eval record of ``step`` (none when there are no eval rows: an accuracy of nothing is not 0)."""
+        if not eval_total:
+            return []
+        return [_eval_record(step, placement, actor, eval_rows, scorer.rule, tokenizer, cfg, writer, phase)]
 
-    records = [] if start else [evaluate_at(0)]
+    records = [] if start else evaluate_at(0)
     if start:
         placement.sync(actor, PhaseTimer())  # the engines serve the resumed policy
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
@@ -165,14 +168,14 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
         if info.rank == 0:
             tqdm.write(_line(record))
         if cfg.eval.every and step % cfg.eval.every == 0 and step != t.total_steps:
-            records.append(evaluate_at(step))
+            records.extend(evaluate_at(step))
         if step != t.total_steps:
             phase("checkpoint", step)
             if stop := ckpt.step_end(step):  # a signal's checkpoint is committed: every rank stops here
                 placement.close()
                 writer.close()
                 raise Preempted(step, stop)
-    records.append(evaluate_at(t.total_steps))
+    records.extend(evaluate_at(t.total_steps))
     ckpt.finish(t.total_steps)
     placement.close()
     writer.close()
@@ -192,7 +195,8 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
     """This rank's train stream (every rank draws prompts; read lazily, never materialised) and
     eval rows (a small held-out list, over ``eval_ranks``). Train rows are validated as they are
     drawn, so there are no train totals up front: skips are warned about and counted in
-    ``stream.stats`` as they happen."""
+    ``stream.stats`` as they happen. Returns (train stream, this rank's eval rows, eval rows of
+    all ranks)."""
     from yatt.assets.data import LoadStats, PromptStream
 
     train = PromptStream(cfg.data, tokenizer, info.rank, info.world_size)
@@ -205,7 +209,11 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
     totals = {k: round(v * info.world_size) for k, v in global_means(counts).items()}
     if info.rank == 0:
         log.info("data: train streamed per rank (%s); %s", cfg.data.source, totals)
-    return train, evals
+        if not totals["eval_kept"]:
+            log.warning("eval: no eval rows (data.eval_size=%d, data.eval_files=%s, %d skipped): the evals are "
+                        "skipped, no eval record is written", cfg.data.eval_size, cfg.data.eval_files,
+                        totals["eval_rows"])
+    return train, evals, totals["eval_kept"]
 
 
 def _dp_rank(train_group) -> int:

@@ -4,9 +4,19 @@ Each rank reads only its own shard, and the train split is never materialised:
 :class:`PromptStream` streams this rank's rows of jsonl/parquet files (line by line, or parquet
 batch by batch, through a bounded shuffle buffer) or keeps only the row indices of a
 reasoning-gym task and generates each row when it is drawn. Rows are validated and tokenized as
-they are drawn. Rows with a missing/empty question or answer, or whose templated prompt is
-longer than ``data.max_prompt_len`` tokens, are skipped and counted in :class:`LoadStats`, never
-fatal. :func:`load_prompts` returns a whole (small) shard as a list, for the held-out eval split.
+they are drawn. A bad row is skipped and counted by reason in :class:`LoadStats`, and warned
+about once per file and reason, with the file and line (jsonl) or row (parquet):
+
+- ``not_json``: a jsonl line that is not JSON, or is JSON but not an object;
+- ``missing_field``: no question or no answer (``data.question_key`` / ``data.answer_key``);
+- ``wrong_type``: a question that is not a string, or an answer that is not a string or number;
+- ``empty_field``: an empty (or whitespace-only) question or answer;
+- ``too_long``: the templated prompt is longer than ``data.max_prompt_len`` tokens;
+- ``unreadable``: a parquet batch that cannot be read (the rest of that file is skipped).
+
+The job stops (``ValueError``) only when a whole epoch of a rank's shard, or of one of its files,
+gave no usable row. :func:`load_prompts` returns a whole (small) shard as a list, for the held-out
+eval split.
 """
 from __future__ import annotations
 
@@ -33,11 +43,29 @@ class PromptRow:
     entry: dict[str, Any]  # what the task's scorer reads (question, answer, metadata)
 
 
+SKIP_REASONS = ("not_json", "missing_field", "wrong_type", "empty_field", "too_long", "unreadable")
+
+
 @dataclass
 class LoadStats:
-    rows: int = 0  # rows validated so far
+    """Counters of the rows validated so far (one rank's)."""
+
+    rows: int = 0
     kept: int = 0
-    skipped: dict[str, int] = field(default_factory=lambda: {"missing_field": 0, "too_long": 0})
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))  # by reason
+    files: dict[str, list[int]] = field(default_factory=dict)  # file -> [rows, kept] (file data only)
+    warned: set[tuple[str, str]] = field(default_factory=set)  # (file, reason) pairs already logged
+
+
+@dataclass(frozen=True)
+class FileRow:
+    """One raw row of a data file: the parsed row (``None`` when unreadable), where it is, and why
+    it could not be read (``None`` when it was)."""
+
+    row: Any
+    file: str
+    where: str  # "line 7" (jsonl) or "row 12" (parquet), 1-based
+    error: str | None = None
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -78,28 +106,36 @@ def _file_part(files: list[str], rank: int, world: int) -> tuple[list[str], int,
     return list(files), rank, world
 
 
-def _file_records(files: list[str], start: int, step: int) -> Iterator[dict]:
+def _file_records(files: list[str], start: int, step: int) -> Iterator[FileRow]:
     """Rows ``start, start + step, ...`` of the jsonl/parquet ``files`` read in order, streamed:
     one jsonl line or one 256-row parquet batch in memory at a time (rows of others not parsed).
-
-    Raises:
-        json.JSONDecodeError: a malformed jsonl line of this rank's.
-    """
+    Nothing raises for bad content: a line that is not JSON comes back with ``error`` set, and a
+    parquet batch that cannot be read ends its file with one such row (every rank reads every
+    batch, so the row split stays the same on all ranks)."""
     i = 0
     for path in files:
         if path.endswith(".parquet"):
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
-                first = (start - i) % step
-                yield from batch.take(list(range(first, batch.num_rows, step))).to_pylist()
-                i += batch.num_rows
+            try:
+                for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+                    first = (start - i) % step
+                    for k, row in zip(range(first, batch.num_rows, step),
+                                      batch.take(list(range(first, batch.num_rows, step))).to_pylist()):
+                        yield FileRow(row, path, f"row {i + k + 1}")
+                    i += batch.num_rows
+            except (pa.ArrowException, OSError) as e:
+                yield FileRow(None, path, f"row {i + 1} on", f"unreadable: {str(e).splitlines()[0][:200]}")
             continue
-        with open(path, encoding="utf-8") as f:
-            for line in f:
+        with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad row, not a crash
+            for lineno, line in enumerate(f, 1):
                 if line.strip():
                     if i % step == start:
-                        yield json.loads(line)
+                        try:
+                            yield FileRow(json.loads(line), path, f"line {lineno}")
+                        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                            yield FileRow(None, path, f"line {lineno}", f"not_json: {e}")
                     i += 1
 
 
@@ -117,33 +153,63 @@ def _buffer_shuffled(rows: Iterator[Any], size: int, rng: random.Random) -> Iter
     yield from buffer
 
 
-def _file_rows(cfg: DataConfig, split: str, rank: int, world: int) -> Iterator[dict]:
+def _file_rows(cfg: DataConfig, split: str, rank: int, world: int) -> Iterator[FileRow]:
     files = cfg.train_files if split == "train" else cfg.eval_files
     yield from _file_records(*_file_part(files, rank, world))
 
 
-def _prepare(cfg: DataConfig, tokenizer, row: dict, stats: LoadStats) -> PromptRow | None:
-    """Validate and tokenize one raw row; ``None`` (and a counted skip) for a bad one."""
-    stats.rows += 1
+def _check(cfg: DataConfig, row: Any) -> tuple[str, str] | None:
+    """``(reason, detail)`` when ``row`` cannot be a prompt, else None (the length is checked later)."""
+    if not isinstance(row, dict):
+        return "not_json", f"a JSON {type(row).__name__}, not an object"
     question, answer = row.get(cfg.question_key), row.get(cfg.answer_key)
-    reason = None
-    if question in (None, "") or answer is None or str(answer) == "":
-        reason = "missing_field"
+    if question is None or answer is None:
+        key = cfg.question_key if question is None else cfg.answer_key
+        return "missing_field", f"no {key!r}"
+    if not isinstance(question, str) or isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        key, value = (cfg.question_key, question) if not isinstance(question, str) else (cfg.answer_key, answer)
+        return "wrong_type", f"{key!r} has type {type(value).__name__}"
+    if not question.strip() or not str(answer).strip():
+        return "empty_field", f"empty {cfg.question_key if not question.strip() else cfg.answer_key!r}"
+    return None
+
+
+def _prepare(cfg: DataConfig, tokenizer, raw: Any, stats: LoadStats) -> PromptRow | None:
+    """Validate and tokenize one raw row (a row dict, or a :class:`FileRow`); ``None`` (and a
+    counted skip, warned about once per file and reason) for a bad one."""
+    stats.rows += 1
+    file = raw.file if isinstance(raw, FileRow) else None
+    row = raw.row if isinstance(raw, FileRow) else raw
+    if file is not None:
+        stats.files.setdefault(file, [0, 0])[0] += 1
+    bad = None
+    if isinstance(raw, FileRow) and raw.error is not None:
+        bad = tuple(raw.error.split(": ", 1))
     else:
-        messages = [{"role": "user", "content": str(question)}]
+        bad = _check(cfg, row)
+    if bad is None:
+        question, answer = row[cfg.question_key], row[cfg.answer_key]
+        messages = [{"role": "user", "content": question}]
         if cfg.system_prompt:
             messages.insert(0, {"role": "system", "content": cfg.system_prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         if len(ids) > cfg.max_prompt_len:
-            reason = "too_long"
-    if reason is not None:
+            bad = ("too_long", f"{len(ids)} prompt tokens > data.max_prompt_len {cfg.max_prompt_len}")
+    if bad is not None:
+        reason, detail = bad
         stats.skipped[reason] += 1
-        if stats.skipped[reason] == 1:
-            log.warning("data: skipping a row (%s); skipped so far %s, counted as rows are drawn", reason, stats.skipped)
+        if (file, reason) not in stats.warned:
+            stats.warned.add((file, reason))
+            where = f"{file}, {raw.where}" if file else "a row"
+            log.warning("data: skipping %s (%s: %s); further %s rows%s are counted, not logged; skipped so "
+                        "far %s", where, reason, detail, reason, " of this file" if file else "",
+                        {k: v for k, v in stats.skipped.items() if v})
         return None
     stats.kept += 1
-    entry = {"question": str(question), "answer": str(answer), "metadata": row.get("metadata") or {}}
-    return PromptRow(list(ids), str(question), str(answer), entry)
+    if file is not None:
+        stats.files[file][1] += 1
+    entry = {"question": question, "answer": str(answer), "metadata": row.get("metadata") or {}}
+    return PromptRow(list(ids), question, str(answer), entry)
 
 
 def load_prompts(cfg: DataConfig, tokenizer, split: str, rank: int = 0, world: int = 1) -> tuple[list[PromptRow], LoadStats]:
@@ -215,3 +281,18 @@ class PromptStream:
         """The :class:`PromptRow` of one raw row, or ``None`` when it is skipped (counted in :attr:`stats`)."""
         row = self._task[raw] if self.cfg.source == "reasoning_gym" else raw
         return _prepare(self.cfg, self.tokenizer, row, self.stats)
+
+    def end_epoch(self) -> None:
+        """Called after a whole epoch was drawn: a file of this rank's that gave rows but no usable
+        one is a wrong file or key, not a few bad rows.
+
+        Raises:
+            ValueError: naming the file(s), with the skip counts.
+        """
+        dead = [f for f, (rows, kept) in self.stats.files.items() if rows and not kept]
+        if dead:
+            raise ValueError(f"data: no usable row in {', '.join(dead)} (this rank's rows of it, all skipped; "
+                             f"skipped so far {dict((k, v) for k, v in self.stats.skipped.items() if v)}); check "
+                             f"the file and data.question_key={self.cfg.question_key!r} / "
+                             f"data.answer_key={self.cfg.answer_key!r}")
+        self.stats.files.clear()  # the next epoch is judged on its own

@@ -19,7 +19,8 @@ _END = object()
 
 
 class RowSource(Protocol[T]):
-    """Where a shard's rows come from (e.g. :class:`~yatt.assets.data.PromptStream`)."""
+    """Where a shard's rows come from (e.g. :class:`~yatt.assets.data.PromptStream`). It may also
+    have ``end_epoch()``, called after a whole epoch was drawn, which raises to stop the job."""
 
     def rows(self, seed: int, epoch: int) -> Iterator[Any]:
         """Raw rows of one epoch, deterministic in ``(seed, epoch)`` and cheap to skip."""
@@ -77,7 +78,8 @@ class PromptShard(Generic[T]):
         """The next ``batch_size`` rows, crossing into a freshly shuffled epoch when needed.
 
         Raises:
-            ValueError: a whole epoch gave no usable row (every row skipped).
+            ValueError: a whole epoch gave no usable row (every row skipped), or the source's
+                ``end_epoch()`` refused the epoch (a data file with no usable row).
         """
         out: list[T] = []
         while len(out) < self.batch_size:
@@ -86,8 +88,12 @@ class PromptShard(Generic[T]):
             raw = next(self._it, _END)
             if raw is _END:
                 if self._whole_epoch and not self._kept:
+                    stats = getattr(self.source, "stats", None)
+                    counts = {k: v for k, v in stats.skipped.items() if v} if stats is not None else ""
                     raise ValueError(f"every row of this rank's data shard was skipped in epoch {self.epoch}: "
-                                     f"{getattr(self.source, 'stats', '')}")
+                                     f"skipped {counts}")
+                if self._whole_epoch and hasattr(self.source, "end_epoch"):
+                    self.source.end_epoch()
                 self.epoch, self.position, self._it = self.epoch + 1, 0, None
                 continue
             self.position += 1
