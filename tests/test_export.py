@@ -41,8 +41,10 @@ def write_checkpoint(root: Path, step: int, shards: dict[tuple[int, int], dict],
     (step_dir / "model").mkdir(parents=True)
     for (t, p), state in shards.items():
         torch.save(state, step_dir / "model" / f"tp{t}_pp{p}.pt")
-    meta = {"format": 1, "step": step, "tp": tp, "pp": pp, "dtype": dtype, "model_path": str(model_path),
-            "config": {"trainer": {"lr": 1e-3}}}
+    written = {f"model/{p.name}": dict(zip(("bytes", "crc32"), files.crc32_file(p)))
+               for p in (step_dir / "model").iterdir()}  # what the trainer's commit records
+    meta = {"format": files.FORMAT, "step": step, "tp": tp, "pp": pp, "dtype": dtype, "model_path": str(model_path),
+            "config": {"trainer": {"lr": 1e-3}}, "files": written}
     (step_dir / "meta.json").write_text(json.dumps(meta))
     if latest:
         (root / "latest").write_text(step_dir.name + "\n")
@@ -227,7 +229,7 @@ def test_uncommitted_and_missing_pieces_are_refused(small_ckpt, tmp_path):
         assert files.resolve(root) == step
     (root / "latest").write_text("step_000003\n")
     (step / "model" / "tp0_pp1.pt").rename(tmp_path / "moved.pt")
-    with pytest.raises(FileNotFoundError, match=r"tp0_pp1\.pt"):
+    with pytest.raises(ValueError, match=r"does not verify: .*tp0_pp1\.pt: missing"):
         export_checkpoint(root, tmp_path / "a")
     (tmp_path / "moved.pt").rename(step / "model" / "tp0_pp1.pt")
     meta = json.loads((step / "meta.json").read_text())

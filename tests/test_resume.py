@@ -71,3 +71,17 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, demo_run
     # TensorBoard, over the killed, preempted and finishing runs' event files, shows each step once
     scalars = _scalars(run)
     assert scalars == _scalars(ref) and [s for s, _ in scalars["train/reward_mean"]] == [1, 2, 3, 4]
+
+
+def test_sigterm_during_start_up_exits_for_requeue(tmp_path):
+    """SIGTERM while the ranks load models and build engines (before any step): the job ends with
+    the requeue code 75, not by the signal, saying there was nothing to save yet; no checkpoint."""
+    run = tmp_path / "run"
+    proc = launch_job(run)
+    log = tmp_path / "run.log"
+    assert wait_job(proc, until=lambda: "world 2 (mpi)" in log.read_text()) is None  # rank 0 is up, loading
+    proc.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
+    assert wait_job(proc) == 75, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "SIGTERM received during start-up, nothing to save yet (no step done); stopped" in text, text[-4000:]
+    assert "Traceback" not in text and not list((run / "checkpoints").glob("step_*"))

@@ -169,7 +169,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
         ``out_dir`` as a Path.
     Raises:
         FileNotFoundError / ValueError: see :func:`yatt.checkpoint.files.resolve`, :func:`read_meta`,
-            :func:`hf_state_dict`; no ``config.json`` in the model path.
+            :func:`hf_state_dict`; no ``config.json`` in the model path; a model file that does
+            not verify (:func:`yatt.checkpoint.files.verify`: size or CRC-32 differs, missing).
         FileExistsError: ``out_dir`` is a non-empty directory (without ``overwrite``) or a file.
     """
     out = Path(out_dir)
@@ -178,6 +179,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty (pass --overwrite to replace it)")
     step = files.resolve(checkpoint)
+    damaged = files.verify(step, under="model/")
+    if damaged:
+        raise ValueError(f"checkpoint {step} does not verify: {'; '.join(damaged)}")
     meta = read_meta(step)
     base = Path(model_path if model_path is not None else meta["model_path"])
     if not (base / "config.json").is_file():

@@ -121,14 +121,27 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
     torchrun or one plain process; with ``require_launcher`` a plain process is refused).
 
     Returns:
-        (exit code: 0 done, 2 config error, 75 stopped by SIGTERM/SIGUSR1 after a checkpoint;
-        rank 0's metric records, empty elsewhere).
+        (exit code: 0 done, 2 config error, 75 stopped by SIGTERM/SIGUSR1 (after a checkpoint, or
+        during start-up with nothing to save), 74 the final or a signal's checkpoint could not be
+        written; rank 0's metric records, empty elsewhere).
     Raises:
         Whatever the run raises (under MPI a failed rank aborts the whole job first).
     """
     from yatt import logs
 
     logs.setup(cfg.log.level)  # first: before torch and the libraries are imported
+    from yatt.checkpoint.triggers import catch_early, release_early
+
+    catch_early(tuple(cfg.checkpoint.on_signals))  # a SIGTERM while models load ends the job with 75, not 15
+    try:
+        return _execute(cfg, require_launcher)
+    finally:
+        release_early()
+
+
+def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
+    """:func:`execute`'s body, run with the start-up signal latch installed."""
+    from yatt import logs
     from yatt.dist import LauncherError, discover
 
     try:
@@ -164,7 +177,8 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
 
             yaml.safe_dump(cfg.model_dump(), f, sort_keys=False)
 
-    from yatt.checkpoint.triggers import EXIT_PREEMPTED, Preempted
+    from yatt.checkpoint.saver import CheckpointWriteError
+    from yatt.checkpoint.triggers import EXIT_PREEMPTED, EXIT_SAVE_FAILED, Preempted
     from yatt.loop import run
 
     watchdog = None
@@ -180,6 +194,9 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
     except Preempted as e:  # every rank: the checkpoint is committed
         logging.getLogger("yatt").warning("%s; exiting with code %d (resume=auto continues)", e, EXIT_PREEMPTED)
         code = EXIT_PREEMPTED
+    except CheckpointWriteError as e:  # every rank: the failed save is agreed on; the job ends cleanly, not 0
+        logging.getLogger("yatt").error("%s; exiting with code %d", e, EXIT_SAVE_FAILED)
+        code = EXIT_SAVE_FAILED
     except BaseException:
         if info.world_size > 1 and info.source == "mpi":
             # One failed rank must end the job, not leave its peers blocked in a collective.

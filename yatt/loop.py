@@ -8,9 +8,11 @@ old/ref logprobs and updates; the new weights go into the rollout engines.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.checkpoint.run_state import RunCheckpoints, StatsPart
+from yatt.checkpoint.saver import CheckpointWriteError
 from yatt.checkpoint.triggers import Preempted
 from yatt.config import Config
 from yatt.controller.batch import make_samples, pack_micro_batches
@@ -37,7 +40,7 @@ log = logging.getLogger("yatt")
 # summed over ranks, not averaged
 _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
              "dynamic_sampling_groups_trimmed", "data_rows_skipped")
-_MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max")  # max over ranks
+_MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures")  # max over ranks
 
 
 def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
@@ -94,6 +97,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
                           meta={"world": info.world_size, "tp": t.tp, "pp": t.pp, "dtype": cfg.model.dtype,
                                 "model_path": str(model_path), "config": cfg.model_dump()})
     start = ckpt.resume()  # 0: a fresh run
+    _stop_if_signalled(ckpt, placement, start)  # a signal while models and engines loaded
     if start >= t.total_steps:
         log.info("the checkpoint is at step %d of trainer.total_steps=%d: nothing left to train", start, t.total_steps)
         ckpt.triggers.close()
@@ -110,6 +114,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     records = [] if start else evaluate_at(0)
     if start:
         placement.sync(actor, PhaseTimer())  # the engines serve the resumed policy
+    _stop_if_signalled(ckpt, placement, start, writer)  # a signal during the step-0 eval or the sync
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                         top_p=cfg.rollout.top_p)
 
@@ -153,6 +158,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
                 sums["guard_rollbacks"] = (float(ckpt.rollback()), 1.0)
             sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
         sums["data_rows_skipped"] = (float(sum(train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
+        sums["checkpoint_failures"] = (float(ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
         placement.sync(actor, timer)
         phase("step end", step)
         idle = sums.pop("idle_s")[0] + _wait_for_peers()  # a rank with nothing left waits here
@@ -171,15 +177,42 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
             records.extend(evaluate_at(step))
         if step != t.total_steps:
             phase("checkpoint", step)
-            if stop := ckpt.step_end(step):  # a signal's checkpoint is committed: every rank stops here
-                placement.close()
-                writer.close()
-                raise Preempted(step, stop)
+            with _closing_on_stop(placement, writer):
+                if stop := ckpt.step_end(step):  # a signal's checkpoint is committed: every rank stops here
+                    raise Preempted(step, stop)
     records.extend(evaluate_at(t.total_steps))
-    ckpt.finish(t.total_steps)
+    with _closing_on_stop(placement, writer):
+        ckpt.finish(t.total_steps)
     placement.close()
     writer.close()
     return records
+
+
+@contextlib.contextmanager
+def _closing_on_stop(placement: Placement, writer) -> Iterator[None]:
+    """Close the engines and the metrics writer when every rank stops together (a signal, or a
+    save the run must have that failed) before the exception leaves the loop; another exception
+    is left alone (under MPI the job is aborted, and closing engines could wait on a dead peer)."""
+    try:
+        yield
+    except (Preempted, CheckpointWriteError):
+        placement.close()
+        writer.close()
+        raise
+
+
+def _stop_if_signalled(ckpt: RunCheckpoints, placement: Placement, start: int, writer=None) -> None:
+    """Start-up check (collective): a SIGTERM/SIGUSR1 before the first step ends the run with
+    nothing saved (there is no new step to save) and the requeue exit code.
+
+    Raises:
+        Preempted: with ``saved=False``.
+    """
+    if stop := ckpt.triggers.stop_requested():
+        placement.close()
+        if writer is not None:
+            writer.close()
+        raise Preempted(start, stop, saved=False)
 
 
 def _resolve_model_once(name: str, info: RankInfo):

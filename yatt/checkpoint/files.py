@@ -13,18 +13,26 @@ Layout under a checkpoint root (``checkpoint.dir``, default ``<output_dir>/check
 A checkpoint becomes visible in one ``rename`` of its ``.tmp`` folder after every rank's files
 are written and fsynced; ``latest`` is replaced (write, fsync, ``os.replace``) after that. A crash
 at any point leaves either the previous checkpoint or the new one, never a partial one.
+
+``meta.json`` also records each file's size and CRC-32 (``files``), computed while it was
+written; :func:`verify` checks them, so a file damaged later (truncated by a copy, a bad disk)
+is named before anything is loaded from it, and ``resume=auto`` falls back to the newest
+checkpoint that verifies (:func:`newest_verified`).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
+log = logging.getLogger("yatt")
 LATEST = "latest"
 META = "meta.json"
-FORMAT = 1
+FORMAT = 2  # 2: meta.json lists every file's size and CRC-32; rank files load with weights_only=True
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -84,6 +92,64 @@ def read_meta(folder: str | Path) -> dict:
     return json.loads((Path(folder) / META).read_text())
 
 
+def crc32_file(path: str | Path, chunk: int = 1 << 24) -> tuple[int, int]:
+    """``(bytes, CRC-32)`` of a file, read in 16 MiB chunks (zlib's CRC-32 runs at GB/s)."""
+    size = crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            size, crc = size + len(block), zlib.crc32(block, crc)
+    return size, crc
+
+
+def verify(folder: str | Path, under: str = "") -> list[str]:
+    """Check a complete checkpoint against its ``meta.json``: every listed file (whose path starts
+    with ``under``, e.g. ``"model/"``) is there, with the size and CRC-32 recorded when it was
+    written. Returns the problems found (empty: it verifies), each naming the file; reads each
+    file once (about a second per GB)."""
+    folder = Path(folder)
+    try:
+        meta = read_meta(folder)
+    except (OSError, ValueError) as e:
+        return [f"{folder / META}: unreadable ({e})"]
+    if meta.get("format", 1) < 2 or "files" not in meta:
+        return [f"{folder / META}: written by an earlier YATT (checkpoint format {meta.get('format', 1)}, without "
+                "file checksums, rank files not loadable with weights_only=True); resume it with that version or "
+                "start fresh"]
+    problems = []
+    for name, rec in sorted(meta["files"].items()):
+        if not name.startswith(under):
+            continue
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        size = path.stat().st_size
+        if size != rec["bytes"]:
+            problems.append(f"{path}: {size} bytes, {rec['bytes']} when written (truncated or replaced)")
+        elif crc32_file(path)[1] != rec["crc32"]:
+            problems.append(f"{path}: CRC-32 differs from the one recorded when it was written (damaged)")
+    return problems
+
+
+def newest_verified(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` that :func:`verify` passes (the one
+    ``latest`` names first), or None. Each damaged one on the way is logged as an error naming
+    its file, with a warning that the run falls back to an older checkpoint."""
+    first = find_latest(root)
+    if first is None:
+        return None
+    candidates = [first] + [step_dir(root, s) for s in reversed(committed_steps(root)) if step_dir(root, s) != first]
+    for i, folder in enumerate(candidates):
+        problems = verify(folder)
+        if not problems:
+            if i:
+                log.warning("checkpoint: FALLING BACK to %s: the %d newer checkpoint(s) are damaged (above)", folder, i)
+            return folder
+        log.error("checkpoint: %s does not verify: %s", folder, "; ".join(problems))
+    log.error("checkpoint: none of the %d checkpoints under %s verifies", len(candidates), root)
+    return None
+
+
 def fsync_path(path: str | Path) -> None:
     """fsync a file or a folder (a folder's fsync makes the names in it durable)."""
     fd = os.open(path, os.O_RDONLY)
@@ -104,12 +170,14 @@ def write_durably(path: Path, text: str) -> None:
     fsync_path(path.parent)
 
 
-def commit(root: str | Path, step: int, meta: dict) -> Path:
+def commit(root: str | Path, step: int, meta: dict, manifest: dict[str, dict] | None = None) -> Path:
     """Make ``step_N.tmp`` (every file in it written and fsynced) the complete ``step_N``, then
     point ``latest`` at it. A complete ``step_N`` already there (a run resumed from an older
-    checkpoint) is replaced."""
+    checkpoint) is replaced. ``manifest``: ``{relative path: {"bytes", "crc32"}}`` of every file
+    the ranks wrote, recorded in ``meta.json`` for :func:`verify`."""
     root, tmp, final = Path(root), step_dir(root, step, tmp=True), step_dir(root, step)
-    (tmp / META).write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=1, default=str))
+    (tmp / META).write_text(json.dumps({"format": FORMAT, "step": step, **meta, "files": manifest or {}},
+                                       indent=1, default=str))
     for sub in (tmp / "model", tmp / "optim", tmp / "rank", tmp):
         if sub.is_dir():
             fsync_path(sub)

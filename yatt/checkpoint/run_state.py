@@ -19,15 +19,18 @@ import torch
 import torch.distributed as dist
 
 from yatt.checkpoint import files
-from yatt.checkpoint.saver import Checkpointer, load_part
+from yatt.checkpoint.saver import Checkpointer, CheckpointWriteError, load_part
 from yatt.checkpoint.triggers import SaveTriggers
 
 log = logging.getLogger("yatt")
 
 
 def rng_state() -> dict:
-    """This process's RNG states (Python, NumPy, torch CPU and, when present, CUDA)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states (Python, NumPy, torch CPU and, when present, CUDA), as tensors,
+    tuples and numbers only (a checkpoint's rank file loads with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -36,24 +39,41 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` returned (CUDA states only where CUDA is present)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def resolve_resume(resume: str, root: str | Path) -> Path | None:
-    """The checkpoint to resume from: ``"none"`` -> None; ``"auto"`` -> the newest complete one
-    under ``root`` or None; anything else is a path (a step folder or a root with ``latest``).
+    """The checkpoint to resume from, verified (:func:`yatt.checkpoint.files.verify`): ``"none"``
+    -> None; ``"auto"`` -> the newest complete one under ``root`` that verifies (a damaged newer
+    one is named and skipped, loudly), or None; anything else is a path (a step folder or a root
+    with ``latest``), which must verify.
 
     Raises:
         FileNotFoundError: an explicit path holds no complete checkpoint.
+        CheckpointDamaged: an explicit path's checkpoint does not verify (the message names the
+            file); or ``"auto"`` found checkpoints and none verifies.
     """
     if resume == "none":
         return None
     if resume == "auto":
-        return files.find_latest(root)
-    return files.resolve(resume)
+        folder = files.newest_verified(root)
+        if folder is None and files.find_latest(root) is not None:
+            raise CheckpointDamaged(f"resume=auto: no checkpoint under {root} verifies (see above); move the damaged "
+                                    "ones away to start fresh, or set resume=none")
+        return folder
+    folder = files.resolve(resume)
+    problems = files.verify(folder)
+    if problems:
+        raise CheckpointDamaged(f"config key 'resume': checkpoint {folder} does not verify: {'; '.join(problems)}")
+    return folder
+
+
+class CheckpointDamaged(RuntimeError):
+    """The checkpoint to resume from does not match what was recorded when it was written."""
 
 
 class RunCheckpoints:
@@ -94,14 +114,20 @@ class RunCheckpoints:
 
         Raises:
             ValueError: the checkpoint was saved with another world size, TP or PP.
+            CheckpointDamaged: it does not verify (on every rank; rank 0 checked it).
         """
-        folder = None
+        folder = error = None
         if self.rank == 0:
-            folder = resolve_resume(self.cfg.resume, self.root)
+            try:
+                folder = resolve_resume(self.cfg.resume, self.root)
+            except CheckpointDamaged as e:
+                error = str(e)
         if dist.is_initialized():
-            box = [folder]
+            box = [(folder, error)]
             dist.broadcast_object_list(box, src=0)
-            folder = box[0]
+            folder, error = box[0]
+        if error is not None:
+            raise CheckpointDamaged(error)
         if folder is None:
             return 0
         meta = files.read_meta(folder)
@@ -151,14 +177,30 @@ class RunCheckpoints:
             self.save(step)
         if stop is not None:
             self.saver.wait()
+            self._must_have_saved(step, f"the checkpoint {stop} asked for")
         return stop
 
     def finish(self, step: int) -> None:
-        """After the last step: the final save (``checkpoint.save_final``), all writes committed."""
+        """After the last step: the final save (``checkpoint.save_final``), all writes committed.
+
+        Raises:
+            CheckpointWriteError: the final checkpoint could not be written (the message says
+                why and which checkpoint is the last good one).
+        """
         if self.cfg.checkpoint.save_final:
             self.save(step)
         self.saver.wait()
         self.triggers.close()
+        if self.cfg.checkpoint.save_final:
+            self._must_have_saved(step, "the final checkpoint")
+
+    def _must_have_saved(self, step: int, what: str) -> None:
+        """Raise when the save of ``step`` (the run's last) failed; every rank agrees (poll)."""
+        if self.saver.committed == files.step_dir(self.root, step):
+            return
+        last = self.saver.committed or self.resumed_from or files.find_latest(self.root)
+        raise CheckpointWriteError(f"{what} (step {step}) could not be written: {self.saver.last_failure}; the last "
+                                   f"good checkpoint is {last or 'none (nothing of this run is kept)'}")
 
     # ------------------------------------------------------------------ rollback
     def rollback(self) -> bool:
@@ -187,4 +229,8 @@ class StatsPart:
 
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():
-            setattr(self.stats, k, v)
+            current = getattr(self.stats, k, None)
+            if isinstance(current, dict) and isinstance(v, dict):
+                current.update(v)  # counters added since the checkpoint was written stay at 0
+            else:
+                setattr(self.stats, k, v)

@@ -18,10 +18,12 @@ PyTorch's own format, one per model shard, per optimizer shard and per rank.
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import os
 import shutil
 import threading
+import zlib
 from pathlib import Path
 
 import torch
@@ -78,12 +80,48 @@ class HostSnapshot:
         return copy.deepcopy(obj)
 
 
-def _save(obj, path: Path) -> None:
+class _Summing:
+    """A binary file that keeps the size and CRC-32 of what is written through it."""
+
+    def __init__(self, f) -> None:
+        self.f, self.bytes, self.crc32 = f, 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.bytes, self.crc32 = self.bytes + view.nbytes, zlib.crc32(view, self.crc32)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save(obj, path: Path) -> dict:
+    """``torch.save`` to ``path``, fsynced; returns ``{"bytes", "crc32"}`` of what was written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        out = _Summing(f)
+        torch.save(obj, out)
         f.flush()
         os.fsync(f.fileno())
+    return {"bytes": out.bytes, "crc32": out.crc32}
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint the run must have (the final one, or a signal's) could not be written."""
+
+
+def _why(e: BaseException, root: Path, needed: int) -> str:
+    """A failed write's cause in words: a full disk is named as such (torch's zip writer reports it
+    as ``unexpected pos``), with the bytes needed and free."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    full = getattr(e, "errno", None) == errno.ENOSPC or (free is not None and free < (64 << 20))
+    if full:
+        return (f"no space left on the device of {root} (ENOSPC): this rank's part needs {needed / 2**30:.2f} GiB, "
+                f"{(free or 0) / 2**30:.2f} GiB free (cause: {str(e).splitlines()[0][:200]})")
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 class Checkpointer:
@@ -102,7 +140,8 @@ class Checkpointer:
         group: process group of all ranks (None: the default group).
     Attributes:
         committed: the last checkpoint folder committed by this run (None before the first).
-        failures: writes that failed (their ``.tmp`` folder is removed; training goes on).
+        failures: saves that failed, on any rank (their ``.tmp`` folder is removed; training goes on).
+        last_failure: the cause of the last failed save, in words (``None`` once one succeeds).
     """
 
     def __init__(self, root: str | Path, rank: int, model_key: str | None, async_save: bool = True,
@@ -112,8 +151,10 @@ class Checkpointer:
         self.snapshot = HostSnapshot()
         self.committed: Path | None = None
         self.failures = 0
+        self.last_failure: str | None = None
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: str | None = None  # this rank's write failed: why
+        self._written: dict[str, dict] = {}  # relative path -> {"bytes", "crc32"} of this rank's files
         self._pending: tuple[int, dict] | None = None  # (step, meta) written but not committed
         if rank == 0:
             for p in files.remove_unfinished(self.root):
@@ -130,7 +171,8 @@ class Checkpointer:
                 states, or None (written only when ``model_key`` is set).
             rank_state: small per-rank state (RNG, data position, counters), any picklable.
             meta: run facts for ``meta.json`` (rank 0's is written).
-        Blocks only for a previous save still being written, and for the host copy.
+        Blocks only for a previous save still being written, and for the host copy. A save for
+        which the disk has too little free space is not started (it fails at the next poll).
         """
         self.wait()
         tmp = files.step_dir(self.root, step, tmp=True)
@@ -139,26 +181,34 @@ class Checkpointer:
             host = self.snapshot.take({"model": model, "optim": optim})
             jobs += [(host["model"], tmp / "model" / f"{self.model_key}.pt"),
                      (host["optim"], tmp / "optim" / f"{self.model_key}.pt")]
-        self._pending, self._error = (step, meta), None
-        self._thread = threading.Thread(target=self._write, args=(jobs,), name=f"yatt-ckpt-{step}", daemon=True)
-        self._thread.start()
+        self._pending, self._error, self._written = (step, meta), None, {}
+        needed = (self.snapshot.bytes if self.model_key is not None else 0) + (1 << 20)
+        free = shutil.disk_usage(self.root).free
+        if free < needed:  # checked before writing: a full disk must not cost the last good checkpoint
+            self._error = _why(OSError(errno.ENOSPC, "not started: too little free space"), self.root, needed)
+            self._thread = None
+        else:
+            self._thread = threading.Thread(target=self._write, args=(jobs, tmp, needed), name=f"yatt-ckpt-{step}",
+                                            daemon=True)
+            self._thread.start()
         if not self.async_save:
             self.wait()
 
-    def _write(self, jobs) -> None:
+    def _write(self, jobs, tmp: Path, needed: int) -> None:
         try:
             self.snapshot.ready()
             for obj, path in jobs:
-                _save(obj, path)
+                self._written[path.relative_to(tmp).as_posix()] = _save(obj, path)
         except BaseException as e:  # reported to every rank by the next poll()
-            self._error = e
+            self._error = _why(e, self.root, needed)
 
     def poll(self) -> Path | None:
         """Commit the pending checkpoint if every rank has written its part (collective, cheap:
         one all-reduce of one int). Returns the folder committed now, else None."""
         if self._pending is None:
             return None
-        mine = -1 if self._error is not None else int(self._thread is not None and not self._thread.is_alive())
+        done = self._thread is None or not self._thread.is_alive()
+        mine = -1 if done and self._error is not None else int(done)
         flag = torch.tensor([mine], dtype=torch.int32)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
@@ -166,16 +216,25 @@ class Checkpointer:
             return None  # some rank is still writing
         step, meta = self._pending
         self._pending = None
+        errors, manifest = [self._error], dict(self._written)  # a copy: a failed save may have writers still busy
+        if dist.is_initialized():  # once per save: every rank's cause, or every rank's files for meta.json
+            every = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, (self._error, manifest), group=self.group)
+            errors = [e for e, _ in every]
+            manifest = {k: v for _, written in every for k, v in written.items()}
         if flag.item() < 0:
             self.failures += 1
-            log.error("checkpoint of step %d failed on some rank (here: %r); it is dropped, training goes on",
-                      step, self._error)
+            self.last_failure = next(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
+            last = self.committed or files.find_latest(self.root)
+            log.error("checkpoint of step %d failed (%s); its partial files are removed; the last good checkpoint "
+                      "is %s; training goes on", step, self.last_failure, last or "none")
             if self.rank == 0:
                 shutil.rmtree(files.step_dir(self.root, step, tmp=True), ignore_errors=True)
             return None
+        self.last_failure = None
         folder = files.step_dir(self.root, step)
         if self.rank == 0:
-            files.commit(self.root, step, meta)
+            files.commit(self.root, step, meta, manifest)
             for s in files.prune(self.root, self.keep_last, self.keep_every):
                 log.info("checkpoint: removed step %d (retention)", s)
             log.info("checkpoint: step %d saved to %s", step, folder)
@@ -197,7 +256,8 @@ class Checkpointer:
 
 def load_part(folder: str | Path, kind: str, key: str) -> dict:
     """One file of a complete checkpoint: ``kind`` is ``model``, ``optim`` or ``rank``; ``key``
-    a model key (``tp0_pp0``) or a rank (``00003``). Memory-mapped, CPU tensors.
+    a model key (``tp0_pp0``) or a rank (``00003``). Memory-mapped, CPU tensors, read with
+    ``weights_only=True`` (the project's own types allowed, nothing else).
 
     Raises:
         FileNotFoundError: the checkpoint has no such part (e.g. saved with another layout).
@@ -205,4 +265,8 @@ def load_part(folder: str | Path, kind: str, key: str) -> dict:
     path = Path(folder) / kind / f"{key}.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint part {path} is missing (was it saved with another world size or TP/PP?)")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    from yatt.placement.plan import Roles  # the one project type in a rank's state
+
+    # weights_only: tensors, containers, numbers and strings; no code from the file runs
+    with torch.serialization.safe_globals([Roles]):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -6,24 +6,56 @@ sets a flag; the ranks agree at the end of the step (one all-reduce of two ints)
 them was signalled or hit the time interval, so they all save the same step. After a
 signal-triggered save is committed the job exits with :data:`EXIT_PREEMPTED`, so a batch script
 can tell "stopped cleanly, requeue me" from success (0) and failure (anything else).
+
+Before the step loop's triggers exist (models loading, engines starting), :func:`catch_early`'s
+handler records the signal instead of letting it kill the rank; the loop then stops at its next
+start-up check (:meth:`SaveTriggers.stop_requested`) with the same exit code and nothing saved.
+A second signal while a save is being written is recorded again, never fatal: the save finishes.
 """
 from __future__ import annotations
 
 import signal
 import time
 
-import torch
-import torch.distributed as dist
-
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, try again" -> requeue and resume
+EXIT_SAVE_FAILED = 74  # sysexits.h EX_IOERR: the final (or a signal's) checkpoint could not be written
 
 
 class Preempted(Exception):
-    """Raised by the step loop after the checkpoint that a signal asked for is committed."""
+    """Raised by the step loop after the checkpoint that a signal asked for is committed, or
+    (``saved=False``) when the signal came during start-up, before there was a step to save."""
 
-    def __init__(self, step: int, signal_name: str):
-        super().__init__(f"{signal_name} received: saved step {step} and stopped")
-        self.step, self.signal_name = step, signal_name
+    def __init__(self, step: int, signal_name: str, saved: bool = True):
+        what = (f"saved step {step} and stopped" if saved else
+                f"during start-up, nothing to save yet ({f'the run resumes from step {step}' if step else 'no step done'})"
+                "; stopped")
+        super().__init__(f"{signal_name} received {what}")
+        self.step, self.signal_name, self.saved = step, signal_name, saved
+
+
+class _Early:
+    received: str | None = None
+    previous: dict = {}
+
+
+def catch_early(signals: tuple[str, ...]) -> None:
+    """Record ``signals`` (names such as ``"SIGTERM"``) from now on instead of dying of them; the
+    first :class:`SaveTriggers` takes the record over. Call first thing in a job's main thread."""
+    def on_signal(signum, frame) -> None:
+        _Early.received = signal.Signals(signum).name
+
+    for name in signals:
+        old = signal.signal(getattr(signal, name), on_signal)
+        _Early.previous.setdefault(name, old)
+
+
+def release_early() -> None:
+    """Restore the handlers :func:`catch_early` replaced and no :class:`SaveTriggers` took over
+    (a job that ended before its step loop; the Python API's caller keeps its own handlers)."""
+    for name, old in _Early.previous.items():
+        signal.signal(getattr(signal, name), old)
+    _Early.previous.clear()
+    _Early.received = None
 
 
 class SaveTriggers:
@@ -41,16 +73,34 @@ class SaveTriggers:
 
     def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, signals: tuple[str, ...] = (), group=None):
         self.every_steps, self.every_s, self.group = every_steps, every_minutes * 60.0, group
-        self.received: str | None = None
+        self.received: str | None = _Early.received  # a signal during start-up (catch_early)
+        _Early.received = None
         self._last = time.monotonic()
-        self._previous = {name: signal.signal(getattr(signal, name), self._on_signal) for name in signals}
+        self._previous = {}
+        for name in signals:
+            old = signal.signal(getattr(signal, name), self._on_signal)
+            self._previous[name] = _Early.previous.pop(name, old)  # close() restores what was there first
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 
+    def stop_requested(self) -> str | None:
+        """The name of a signal received by any rank (``"a signal to another rank"`` where this
+        one got none), or None. Collective: the same answer on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.received is not None], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return (self.received or "a signal to another rank") if flag.item() else None
+
     def check(self, step: int) -> tuple[bool, str | None]:
         """(save at this step?, name of the signal that asks to stop, or None). Collective: the
         answer is the same on every rank."""
+        import torch
+        import torch.distributed as dist
+
         flags = torch.tensor([self.received is not None,
                               self.every_s > 0 and time.monotonic() - self._last >= self.every_s], dtype=torch.int32)
         if dist.is_initialized():
