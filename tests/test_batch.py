@@ -53,13 +53,13 @@ def test_make_samples_rewards_and_advantages():
     rows = [SimpleNamespace(prompt_ids=[1]), SimpleNamespace(prompt_ids=[3])]
     comp = lambda ids: SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
     completions = [[comp([7, EOS]), comp([8, EOS])], [comp([9]), comp([9, EOS])]]
-    samples = make_samples(rows, completions, [1.0, 0.0, 1.0, 1.0], True)
+    samples = make_samples(rows, completions, [1.0, 0.0, 1.0, 1.0])  # GRPO by default
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 1.0]
     assert samples[0].advantage > 0 > samples[1].advantage
     assert samples[2].advantage == samples[3].advantage == 0.0  # all-equal group
     assert samples[1].response_ids == [8, EOS] and samples[2].prompt_ids == [3]
     with pytest.raises(ValueError, match="3 rewards for 4 samples"):
-        make_samples(rows, completions, [1.0, 0.0, 1.0], True)
+        make_samples(rows, completions, [1.0, 0.0, 1.0])
 
 
 def test_phase_timer_records_time_and_peak_memory():

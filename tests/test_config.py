@@ -112,8 +112,8 @@ def test_pipeline_size_must_split_the_layers_and_the_world(tmp_path, override, m
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["rollout.n=1"], "rollout.n: GRPO's advantage is group-relative"),
-    (["rollout.n=1", "algo.dynamic_sampling=true"], "rollout.n: GRPO's advantage is group-relative"),
+    (["rollout.n=1"], "rollout.n: the grpo advantage is group-relative"),
+    (["rollout.n=1", "algo.dynamic_sampling=true"], "rollout.n: the grpo advantage is group-relative"),
     (["algo.dynamic_sampling=true", "trainer.balance.enabled=false"], "needs trainer.balance.enabled"),
 ])
 def test_recipes_that_cannot_learn_are_refused(overrides, expected):

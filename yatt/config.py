@@ -101,7 +101,11 @@ class AlgoConfig(_Section):
                     "skipped")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3",
         description="KL estimator of the KL term (Schulman's k1/k2/k3)")
-    norm_adv_by_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group's std")
+    estimator: str = Field("grpo",
+        description="advantage estimator: grpo, dr_grpo (no std division), rloo (leave-one-out baseline), or "
+                    "'package.module:function' (rewards [G, n] -> advantages [G, n]; yatt/algos/estimators.py)")
+    norm_adv_by_std: bool = Field(True,
+        description="estimator grpo only: divide group-centred rewards by the group's std (false: dr_grpo's form)")
     ppo_epochs: int = Field(1, gt=0, description="passes over the step's rollout batch")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch")
     dynamic_sampling: bool = Field(False,
@@ -245,9 +249,15 @@ class Config(_Section):
         b = self.trainer.balance
         if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
             raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")
-        if self.algo.name == "grpo" and self.rollout.n < 2:  # refused before any model loads
-            raise ValueError("rollout.n: GRPO's advantage is group-relative (a reward minus its group's mean), so a "
-                             "group of one response has advantage 0 and nothing trains; use rollout.n >= 2")
+        from yatt.algos.estimators import ESTIMATORS, get_estimator
+
+        get_estimator(self.algo.estimator)  # an unknown name or a module:function that does not load: named
+        if self.algo.estimator in ESTIMATORS and self.rollout.n < 2:  # refused before any model loads
+            raise ValueError(f"rollout.n: the {self.algo.estimator} advantage is group-relative (a reward against "
+                             "the other responses to its prompt), so a group of one response has advantage 0 and "
+                             "nothing trains; use rollout.n >= 2")
+        if "norm_adv_by_std" in self.algo.model_fields_set and self.algo.estimator != "grpo":
+            raise ValueError(f"algo.norm_adv_by_std: read by algo.estimator=grpo only, not {self.algo.estimator}")
         if self.algo.dynamic_sampling and not b.enabled:
             raise ValueError("algo.dynamic_sampling: needs trainer.balance.enabled (it gives ranks left without "
                              "informative groups a share of the batch)")

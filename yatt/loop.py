@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from yatt.algos.estimators import estimator_for
 from yatt.algos.guard import StabilityGuard
 from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
@@ -88,6 +89,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled else None
     sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds)
                if cfg.algo.dynamic_sampling else None)
+    estimator = estimator_for(cfg.algo.estimator, cfg.algo.norm_adv_by_std)
     phase = watchdog.phase if watchdog is not None else lambda name, step: None
     phase("engines", 0)
     placement.start()
@@ -145,7 +147,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
             sums.update(more)
         if placement.trains:
             samples = make_samples([g.row for g in groups], [g.completions for g in groups],
-                                   [x for r in rewards for x in r], cfg.algo.norm_adv_by_std)
+                                   [x for r in rewards for x in r], estimator)
             if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
                 samples = _gather(samples, mp_group, t.tp * t.pp)
             with timer("balance"):

@@ -37,7 +37,7 @@ def main() -> None:
     rows = rows[:2]
     completions = engine.generate([r.prompt_ids for r in rows], SamplingSpec(n=4, max_tokens=24, seed=11))
     rewards = [float(i % 2) for i in range(len(rows) * 4)]  # a guaranteed non-zero update
-    samples = make_samples(rows, completions, rewards, True)
+    samples = make_samples(rows, completions, rewards)
     minis = make_mini_batches(samples, 2, 512, tok.pad_token_id)
 
     sums = compute_logprobs(actor, None, minis, recompute_old=True)

@@ -63,20 +63,21 @@ def pack_micro_batches(samples: list[Sample], groups, pad_id: int) -> list[dict]
     return out
 
 
-def make_samples(rows, completions, rewards: list[float], norm_by_std: bool) -> list[Sample]:
-    """Turn each prompt's ``n`` scored completions into samples with GRPO advantages.
+def make_samples(rows, completions, rewards: list[float], estimator=None) -> list[Sample]:
+    """Turn each prompt's ``n`` scored completions into samples with outcome advantages.
 
     Args:
         rows: the step's :class:`~yatt.assets.data.PromptRow` list (``G`` prompts).
         completions: ``G`` lists of ``n`` engine completions (token ids, logprobs, finish reason).
         rewards: ``G * n`` floats, prompt-major (``rewards[g * n + k]`` scores completion k of g).
-        norm_by_std: GRPO std normalisation (see :func:`yatt.algos.grpo.group_advantages`).
+        estimator: ``[G, n] -> [G, n]`` advantages (:mod:`yatt.algos.estimators`; default GRPO).
     Returns:
         ``G * n`` samples, prompt-major.
     Raises:
-        ValueError: the number of rewards is not ``G * n``.
+        ValueError: the number of rewards is not ``G * n``; the estimator's output is not a
+            finite ``[G, n]`` tensor.
     """
-    from yatt.algos.grpo import group_advantages
+    from yatt.algos.estimators import advantages, grpo
 
     samples = [Sample(row.prompt_ids, list(c.token_ids), list(c.logprobs), c.finish_reason)
                for row, group in zip(rows, completions) for c in group]
@@ -84,7 +85,7 @@ def make_samples(rows, completions, rewards: list[float], norm_by_std: bool) -> 
         raise ValueError(f"{len(rewards)} rewards for {len(samples)} samples")
     if samples:
         n = len(completions[0])
-        adv = group_advantages(torch.tensor(rewards, dtype=torch.float32).view(-1, n), norm_by_std).flatten()
+        adv = advantages(estimator or grpo, torch.tensor(rewards, dtype=torch.float32).view(-1, n)).flatten()
         for s, r, a in zip(samples, rewards, adv.tolist()):
             s.reward, s.advantage = float(r), a
     return samples

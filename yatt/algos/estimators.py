@@ -1,0 +1,132 @@
+"""Outcome advantage estimators, chosen by name (``algo.estimator``): pure tensor functions.
+
+An outcome estimator turns the scores of a prompt's ``n`` responses into one advantage per
+response: ``f(rewards) -> advantages``, both float ``[G, n]`` (``G`` prompts of the step, on the
+rank that owns the whole group). A group whose rewards are all equal carries no signal: every
+estimator here gives it exactly 0 (which is what DAPO dynamic sampling filters on).
+
+Registered: ``grpo`` (Shao et al. 2024), ``dr_grpo`` (Liu et al. 2025), ``rloo`` (Ahmadian et al.
+2024). ``algo.estimator=package.module:function`` loads a user's function with the same contract.
+Token-level estimators (REINFORCE++ returns, GAE over critic values) need per-token experience and
+are not outcome estimators.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from yatt.algos.grpo import EQUAL_REWARD_TOL, group_advantages
+
+Estimator = Callable[[torch.Tensor], torch.Tensor]
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator: make ``fn`` selectable as ``algo.estimator=<name>``.
+
+    Raises:
+        ValueError: ``name`` is taken.
+    """
+    def add(fn: Estimator) -> Estimator:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+@register("grpo")
+def grpo(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO: ``A_i = (r_i - mean(r)) / (std(r) + eps)`` over the group (Shao et al. 2024,
+    "DeepSeekMath", eq. 3, outcome supervision); the std is the unbiased one.
+
+    Args:
+        rewards: float ``[G, n]``.
+    Returns:
+        float32 ``[G, n]``; 0 for a group of equal rewards and for ``n == 1``.
+    """
+    return group_advantages(rewards, norm_by_std=True)
+
+
+@register("dr_grpo")
+def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: ``A_i = r_i - mean(r)``, without GRPO's division by the group std, which weights
+    prompts whose rewards barely differ most (Liu et al. 2025, "Understanding R1-Zero-Like
+    Training: A Critical Perspective", sec. 3.1, eq. 3; its length-bias fix is the loss's
+    aggregation, not the advantage).
+
+    Args:
+        rewards: float ``[G, n]``.
+    Returns:
+        float32 ``[G, n]``; 0 for a group of equal rewards.
+    """
+    return group_advantages(rewards, norm_by_std=False)
+
+
+@register("rloo")
+def rloo(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO: REINFORCE with a leave-one-out baseline, ``A_i = r_i - mean_{j != i} r_j =
+    n / (n - 1) * (r_i - mean(r))`` (Ahmadian et al. 2024, "Back to Basics: Revisiting
+    REINFORCE Style Optimization for Learning from Human Feedback in LLMs", eq. 6; Kool et al. 2019).
+
+    Args:
+        rewards: float ``[G, n]``, ``n >= 2``.
+    Returns:
+        float32 ``[G, n]``; 0 for a group of equal rewards.
+    Raises:
+        ValueError: ``n < 2`` (no other sample to form the baseline).
+    """
+    rewards = rewards.to(torch.float32)
+    n = rewards.shape[-1]
+    if n < 2:
+        raise ValueError(f"rloo needs at least 2 samples per prompt, got {n}")
+    centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    adv = centered * (n / (n - 1))
+    equal = rewards.std(dim=-1, keepdim=True) < EQUAL_REWARD_TOL
+    return torch.where(equal, torch.zeros_like(adv), adv)
+
+
+def get_estimator(name: str) -> Estimator:
+    """The estimator registered as ``name``, or the function ``name`` = ``"module:function"`` names.
+
+    Raises:
+        ValueError: an unknown name, or a ``module:function`` that cannot be imported or is not
+            callable; the message names ``algo.estimator``.
+    """
+    if name in ESTIMATORS:
+        return ESTIMATORS[name]
+    if ":" not in name:
+        raise ValueError(f"algo.estimator: unknown estimator {name!r}; one of {sorted(ESTIMATORS)}, or "
+                         "'package.module:function' for your own")
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"algo.estimator: cannot load {name!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"algo.estimator: {name!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def estimator_for(name: str, norm_adv_by_std: bool = True) -> Estimator:
+    """The function of ``algo.estimator`` (``grpo`` with ``algo.norm_adv_by_std: false`` is
+    Dr. GRPO's advantage). Raises as :func:`get_estimator`."""
+    return dr_grpo if name == "grpo" and not norm_adv_by_std else get_estimator(name)
+
+
+def advantages(estimator: Estimator, rewards: torch.Tensor) -> torch.Tensor:
+    """``estimator(rewards)``, checked: float ``[G, n]`` in, a finite float ``[G, n]`` out.
+
+    Raises:
+        ValueError: the estimator returned another shape or a non-finite value (a user's function).
+    """
+    adv = estimator(rewards)
+    if not isinstance(adv, torch.Tensor) or adv.shape != rewards.shape:
+        got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+        raise ValueError(f"algo.estimator returned {got} for rewards of shape {tuple(rewards.shape)}")
+    if not torch.isfinite(adv).all():
+        raise ValueError("algo.estimator returned a non-finite advantage")
+    return adv.to(torch.float32)
