@@ -994,3 +994,22 @@ def test_a_real_full_disk_is_named_and_the_last_good_checkpoint_kept(small_tmpfs
     assert "not started" not in ck.last_failure  # this time the write itself failed
     assert committed_steps(small_tmpfs) == [1] and find_latest(small_tmpfs) == step_dir(small_tmpfs, 1)
     assert not step_dir(small_tmpfs, 3, tmp=True).exists() and files.verify(step_dir(small_tmpfs, 1)) == []
+
+
+def test_resume_from_a_damaged_only_checkpoint_stops_before_training(tmp_path):
+    """RunCheckpoints.resume with resume=auto and no checkpoint that verifies raises CheckpointDamaged
+    (launch turns it into exit 2 with the message) instead of loading it or starting over silently."""
+    from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints
+    from yatt.config import Config
+
+    config = Config(output_dir=str(tmp_path / "out"), checkpoint={"every_steps": 1, "every_minutes": 0})
+    ck = RunCheckpoints(config, 0, None, 0, parts={}, meta={"world": 1, "tp": 1, "pp": 1})
+    ck.finish(1)  # the final save of step 1
+    rank_file = step_dir(ck.root, 1) / "rank" / "00000.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:-10])
+    again = RunCheckpoints(config, 0, None, 0, parts={}, meta={"world": 1, "tp": 1, "pp": 1})
+    try:
+        with pytest.raises(CheckpointDamaged, match="resume=auto: no checkpoint under .* verifies"):
+            again.resume()
+    finally:
+        again.triggers.close()

@@ -121,7 +121,7 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
     torchrun or one plain process; with ``require_launcher`` a plain process is refused).
 
     Returns:
-        (exit code: 0 done, 2 config error, 75 stopped by SIGTERM/SIGUSR1 (after a checkpoint, or
+        (exit code: 0 done, 2 config error or a checkpoint to resume that does not verify, 75 stopped by SIGTERM/SIGUSR1 (after a checkpoint, or
         during start-up with nothing to save), 74 the final or a signal's checkpoint could not be
         written; rank 0's metric records, empty elsewhere).
     Raises:
@@ -177,6 +177,7 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
 
             yaml.safe_dump(cfg.model_dump(), f, sort_keys=False)
 
+    from yatt.checkpoint.run_state import CheckpointDamaged
     from yatt.checkpoint.saver import CheckpointWriteError
     from yatt.checkpoint.triggers import EXIT_PREEMPTED, EXIT_SAVE_FAILED, Preempted
     from yatt.loop import run
@@ -197,6 +198,10 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
     except CheckpointWriteError as e:  # every rank: the failed save is agreed on; the job ends cleanly, not 0
         logging.getLogger("yatt").error("%s; exiting with code %d", e, EXIT_SAVE_FAILED)
         code = EXIT_SAVE_FAILED
+    except CheckpointDamaged as e:  # every rank (rank 0 checked, all were told): nothing trained from it
+        if info.rank == 0:
+            logging.getLogger("yatt").error("%s; exiting with code 2", e)
+        code = 2
     except BaseException:
         if info.world_size > 1 and info.source == "mpi":
             # One failed rank must end the job, not leave its peers blocked in a collective.

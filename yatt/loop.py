@@ -23,7 +23,7 @@ from yatt.algos.guard import StabilityGuard
 from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
-from yatt.checkpoint.run_state import RunCheckpoints, StatsPart
+from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints, StatsPart
 from yatt.checkpoint.saver import CheckpointWriteError
 from yatt.checkpoint.triggers import Preempted
 from yatt.config import Config
@@ -98,7 +98,8 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
                                  "sampler": sampler, "placement": placement},
                           meta={"world": info.world_size, "tp": t.tp, "pp": t.pp, "dtype": cfg.model.dtype,
                                 "model_path": str(model_path), "config": cfg.model_dump()})
-    start = ckpt.resume()  # 0: a fresh run
+    with _closing_on_stop(placement):  # a damaged checkpoint stops every rank here, named
+        start = ckpt.resume()  # 0: a fresh run
     _stop_if_signalled(ckpt, placement, start)  # a signal while models and engines loaded
     if start >= t.total_steps:
         log.info("the checkpoint is at step %d of trainer.total_steps=%d: nothing left to train", start, t.total_steps)
@@ -191,15 +192,17 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _closing_on_stop(placement: Placement, writer) -> Iterator[None]:
-    """Close the engines and the metrics writer when every rank stops together (a signal, or a
-    save the run must have that failed) before the exception leaves the loop; another exception
-    is left alone (under MPI the job is aborted, and closing engines could wait on a dead peer)."""
+def _closing_on_stop(placement: Placement, writer=None) -> Iterator[None]:
+    """Close the engines and the metrics writer when every rank stops together (a signal, a save
+    the run must have that failed, a checkpoint to resume that does not verify) before the
+    exception leaves the loop; another exception is left alone (under MPI the job is aborted, and
+    closing engines could wait on a dead peer)."""
     try:
         yield
-    except (Preempted, CheckpointWriteError):
+    except (Preempted, CheckpointWriteError, CheckpointDamaged):
         placement.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
         raise
 
 
