@@ -100,7 +100,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
                                 "model_path": str(model_path), "config": cfg.model_dump()})
     with _closing_on_stop(placement):  # a damaged checkpoint stops every rank here, named
         start = ckpt.resume()  # 0: a fresh run
-    _stop_if_signalled(ckpt, placement, start)  # a signal while models and engines loaded
+        _stop_if_signalled(ckpt, start)  # a signal while models and engines loaded
     if start >= t.total_steps:
         log.info("the checkpoint is at step %d of trainer.total_steps=%d: nothing left to train", start, t.total_steps)
         ckpt.triggers.close()
@@ -117,7 +117,8 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     records = [] if start else evaluate_at(0)
     if start:
         placement.sync(actor, PhaseTimer())  # the engines serve the resumed policy
-    _stop_if_signalled(ckpt, placement, start, writer)  # a signal during the step-0 eval or the sync
+    with _closing_on_stop(placement, writer):
+        _stop_if_signalled(ckpt, start)  # a signal during the step-0 eval or the sync
     spec = SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                         top_p=cfg.rollout.top_p)
 
@@ -206,17 +207,15 @@ def _closing_on_stop(placement: Placement, writer=None) -> Iterator[None]:
         raise
 
 
-def _stop_if_signalled(ckpt: RunCheckpoints, placement: Placement, start: int, writer=None) -> None:
+def _stop_if_signalled(ckpt: RunCheckpoints, start: int) -> None:
     """Start-up check (collective): a SIGTERM/SIGUSR1 before the first step ends the run with
-    nothing saved (there is no new step to save) and the requeue exit code.
+    nothing saved (there is no new step to save) and the requeue exit code; call it inside
+    :func:`_closing_on_stop`.
 
     Raises:
         Preempted: with ``saved=False``.
     """
     if stop := ckpt.triggers.stop_requested():
-        placement.close()
-        if writer is not None:
-            writer.close()
         raise Preempted(start, stop, saved=False)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from yatt.algos.grpo import EQUAL_REWARD_TOL, group_advantages
+from yatt.algos.grpo import group_advantages
 
 Estimator = Callable[[torch.Tensor], torch.Tensor]
 ESTIMATORS: dict[str, Estimator] = {}
@@ -79,14 +79,10 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: ``n < 2`` (no other sample to form the baseline).
     """
-    rewards = rewards.to(torch.float32)
     n = rewards.shape[-1]
     if n < 2:
         raise ValueError(f"rloo needs at least 2 samples per prompt, got {n}")
-    centered = rewards - rewards.mean(dim=-1, keepdim=True)
-    adv = centered * (n / (n - 1))
-    equal = rewards.std(dim=-1, keepdim=True) < EQUAL_REWARD_TOL
-    return torch.where(equal, torch.zeros_like(adv), adv)
+    return group_advantages(rewards, norm_by_std=False) * (n / (n - 1))
 
 
 def get_estimator(name: str) -> Estimator:

@@ -56,16 +56,20 @@ class LoadStats:
     files: dict[str, list[int]] = field(default_factory=dict)  # file -> [rows, kept] (file data only)
     warned: set[tuple[str, str]] = field(default_factory=set)  # (file, reason) pairs already logged
 
+    def skipped_so_far(self) -> dict[str, int]:
+        """The reasons with at least one skipped row, and their counts."""
+        return {k: v for k, v in self.skipped.items() if v}
+
 
 @dataclass(frozen=True)
 class FileRow:
     """One raw row of a data file: the parsed row (``None`` when unreadable), where it is, and why
-    it could not be read (``None`` when it was)."""
+    it could not be read (``(reason, detail)``; ``None`` when it was)."""
 
     row: Any
     file: str
     where: str  # "line 7" (jsonl) or "row 12" (parquet), 1-based
-    error: str | None = None
+    error: tuple[str, str] | None = None
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -126,7 +130,7 @@ def _file_records(files: list[str], start: int, step: int) -> Iterator[FileRow]:
                         yield FileRow(row, path, f"row {i + k + 1}")
                     i += batch.num_rows
             except (pa.ArrowException, OSError) as e:
-                yield FileRow(None, path, f"row {i + 1} on", f"unreadable: {str(e).splitlines()[0][:200]}")
+                yield FileRow(None, path, f"row {i + 1} on", ("unreadable", str(e).splitlines()[0][:200]))
             continue
         with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad row, not a crash
             for lineno, line in enumerate(f, 1):
@@ -135,7 +139,7 @@ def _file_records(files: list[str], start: int, step: int) -> Iterator[FileRow]:
                         try:
                             yield FileRow(json.loads(line), path, f"line {lineno}")
                         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                            yield FileRow(None, path, f"line {lineno}", f"not_json: {e}")
+                            yield FileRow(None, path, f"line {lineno}", ("not_json", str(e)))
                     i += 1
 
 
@@ -182,11 +186,7 @@ def _prepare(cfg: DataConfig, tokenizer, raw: Any, stats: LoadStats) -> PromptRo
     row = raw.row if isinstance(raw, FileRow) else raw
     if file is not None:
         stats.files.setdefault(file, [0, 0])[0] += 1
-    bad = None
-    if isinstance(raw, FileRow) and raw.error is not None:
-        bad = tuple(raw.error.split(": ", 1))
-    else:
-        bad = _check(cfg, row)
+    bad = raw.error if isinstance(raw, FileRow) and raw.error is not None else _check(cfg, row)
     if bad is None:
         question, answer = row[cfg.question_key], row[cfg.answer_key]
         messages = [{"role": "user", "content": question}]
@@ -203,7 +203,7 @@ def _prepare(cfg: DataConfig, tokenizer, raw: Any, stats: LoadStats) -> PromptRo
             where = f"{file}, {raw.where}" if file else "a row"
             log.warning("data: skipping %s (%s: %s); further %s rows%s are counted, not logged; skipped so "
                         "far %s", where, reason, detail, reason, " of this file" if file else "",
-                        {k: v for k, v in stats.skipped.items() if v})
+                        stats.skipped_so_far())
         return None
     stats.kept += 1
     if file is not None:
@@ -292,7 +292,7 @@ class PromptStream:
         dead = [f for f, (rows, kept) in self.stats.files.items() if rows and not kept]
         if dead:
             raise ValueError(f"data: no usable row in {', '.join(dead)} (this rank's rows of it, all skipped; "
-                             f"skipped so far {dict((k, v) for k, v in self.stats.skipped.items() if v)}); check "
+                             f"skipped so far {self.stats.skipped_so_far()}); check "
                              f"the file and data.question_key={self.cfg.question_key!r} / "
                              f"data.answer_key={self.cfg.answer_key!r}")
         self.stats.files.clear()  # the next epoch is judged on its own

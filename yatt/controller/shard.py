@@ -89,7 +89,7 @@ class PromptShard(Generic[T]):
             if raw is _END:
                 if self._whole_epoch and not self._kept:
                     stats = getattr(self.source, "stats", None)
-                    counts = {k: v for k, v in stats.skipped.items() if v} if stats is not None else ""
+                    counts = stats.skipped_so_far() if stats is not None else ""
                     raise ValueError(f"every row of this rank's data shard was skipped in epoch {self.epoch}: "
                                      f"skipped {counts}")
                 if self._whole_epoch and hasattr(self.source, "end_epoch"):
