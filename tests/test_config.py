@@ -51,9 +51,12 @@ def test_launch_rejects_bad_config_before_loading_anything():
     import subprocess
     import sys
 
-    code = ("import sys; from yatt.launch import main; rc = main(['--config', %r, 'trainer.total_stepz=2']); "
+    # A valid config, every cross-field check included, is validated without torch too: c10 reads
+    # its log level (yatt.logs.setup) when torch is first imported.
+    code = ("import sys; from yatt.launch import load_config, main; load_config(%r, ['algo.estimator=rloo']); "
+            "rc = main(['--config', %r, 'trainer.total_stepz=2']); "
             "assert 'vllm' not in sys.modules and 'megatron.core' not in sys.modules and 'torch' not in sys.modules; "
-            "sys.exit(rc)" % RECIPE)
+            "sys.exit(rc)" % (RECIPE, RECIPE))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "did you mean 'trainer.total_steps'" in out.stderr

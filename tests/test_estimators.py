@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from yatt.algos.estimators import ESTIMATORS, advantages, estimator_for, get_estimator, register
-from yatt.config import ConfigError, load_config
+from yatt.config import GROUP_ESTIMATORS, ConfigError, load_config
+from yatt.launch import _check_estimator
 
 RECIPE = "configs/grpo_smollm2.yaml"
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0],   # two right, two wrong
@@ -45,7 +46,7 @@ def test_a_users_estimator_by_import_path_and_its_output_checked():
 
 @pytest.mark.parametrize("overrides, message", [
     (["algo.estimator=ppo"], "algo.estimator: unknown estimator 'ppo'; one of ['dr_grpo', 'grpo', 'rloo']"),
-    (["algo.estimator=nosuchpkg.mod:fn"], "algo.estimator: cannot load 'nosuchpkg.mod:fn'"),
+    (["algo.estimator=mypkg.mod.fn"], "algo.estimator: unknown estimator 'mypkg.mod.fn'"),
     (["algo.estimator=rloo", "rollout.n=1"], "rollout.n: the rloo advantage is group-relative"),
     (["algo.estimator=rloo", "algo.norm_adv_by_std=false"], "algo.norm_adv_by_std: read by algo.estimator=grpo only"),
 ])
@@ -53,3 +54,11 @@ def test_estimator_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_config(RECIPE, overrides)
     assert load_config(RECIPE, ["algo.estimator=rloo"]).algo.estimator == "rloo"
+
+
+def test_the_config_lists_the_registered_names_and_a_job_loads_a_users_function_at_start():
+    assert set(GROUP_ESTIMATORS) == set(ESTIMATORS)  # config.py validates names without importing torch
+    cfg = load_config(RECIPE, ["algo.estimator=nosuchpkg.mod:fn"])  # well-formed: loaded when the job starts
+    with pytest.raises(ConfigError, match="algo.estimator: cannot load 'nosuchpkg.mod:fn'"):
+        _check_estimator(cfg)
+    _check_estimator(load_config(RECIPE, ["algo.estimator=test_estimators:centred_sign"]))

@@ -8,11 +8,17 @@ closest valid one) before any model is loaded. Override values are parsed as YAM
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+# algo.estimator's registered names (yatt/algos/estimators.py registers each; listed here so that
+# validating a config imports no torch: c10 reads its log level when torch is first imported).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 class ConfigError(ValueError):
@@ -249,10 +255,11 @@ class Config(_Section):
         b = self.trainer.balance
         if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
             raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")
-        from yatt.algos.estimators import ESTIMATORS, get_estimator
-
-        get_estimator(self.algo.estimator)  # an unknown name or a module:function that does not load: named
-        if self.algo.estimator in ESTIMATORS and self.rollout.n < 2:  # refused before any model loads
+        est = self.algo.estimator  # a module:function is loaded at the job's start (yatt.launch), after logs.setup
+        if est not in GROUP_ESTIMATORS and not re.fullmatch(r"[\w.]+:\w+", est):
+            raise ValueError(f"algo.estimator: unknown estimator {est!r}; one of {sorted(GROUP_ESTIMATORS)}, or "
+                             "'package.module:function' for your own")
+        if est in GROUP_ESTIMATORS and self.rollout.n < 2:  # refused before any model loads
             raise ValueError(f"rollout.n: the {self.algo.estimator} advantage is group-relative (a reward against "
                              "the other responses to its prompt), so a group of one response has advantage 0 and "
                              "nothing trains; use rollout.n >= 2")

@@ -79,6 +79,17 @@ def _check_model_parallel(cfg, world: int) -> None:
                           f"world size ({world})")
 
 
+def _check_estimator(cfg) -> None:
+    """A user's ``algo.estimator=module:function`` must load (imported here, after
+    :func:`yatt.logs.setup`, not while the config is validated)."""
+    from yatt.algos.estimators import get_estimator
+
+    try:
+        get_estimator(cfg.algo.estimator)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_placement(cfg, info) -> None:
     """Split placements need MPI (they stream over MPI communicators) and room for the split."""
     from yatt.placement.runner import roles_for
@@ -149,6 +160,7 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
         _check_output_dir(cfg)
         _check_model_parallel(cfg, info.world_size)
         _check_placement(cfg, info)
+        _check_estimator(cfg)
     except (ConfigError, LauncherError) as e:
         _report(e)
         return 2, []
