@@ -286,3 +286,35 @@ def test_response_only_gradient_matches_transformers(smol):
     hf_norm = ref.hf_grad_norm(hf, masked, loss_fn)
     stats = MegatronPolicy(path, optim=OptimConfig(lr=1e-6)).train_step(masked, loss_fn)
     assert abs(stats["grad_norm"] - hf_norm) <= ref.GRAD_NORM_RTOL * hf_norm, (stats["grad_norm"], hf_norm)
+
+
+def test_adamw_runs_torchs_fused_kernel_with_adamws_update(world1, tmp_path, monkeypatch):
+    """The trainer's AdamW (Megatron-Core's torch fallback) is switched to torch's fused kernel;
+    its update equals the per-tensor AdamW's on the same parameters and gradients."""
+    import torch.optim.adam as adam_mod
+
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig, _fuse_adam
+
+    calls = []
+    fused = adam_mod._fused_adam
+    monkeypatch.setattr(adam_mod, "_fused_adam", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    ref.save_tiny_hf(tmp_path, "llama", vocab_size=100, tied=True)
+    policy = MegatronPolicy(tmp_path, optim=OptimConfig(lr=1e-3, weight_decay=0.1))
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert policy.train_step([{"input_ids": ids, "mask": torch.ones(2, 12)}], ref.sum_logprob_loss)["grad_norm"] > 0
+    assert calls, "the policy's optimizer step did not run the fused kernel"
+
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(5, 7, generator=gen), torch.randn(11, generator=gen)]
+    twins = [[torch.nn.Parameter(p.clone()) for p in params] for _ in range(2)]
+    opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in twins]
+    _fuse_adam(type("Wrapped", (), {"optimizer": opts[1]})())
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for ps, opt in zip(twins, opts):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b in zip(*twins):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert opts[1].param_groups[0]["fused"] and not opts[0].param_groups[0]["fused"]

@@ -162,6 +162,23 @@ def _shift_right(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
 
 
+def _fuse_adam(optimizer) -> None:
+    """Switch the torch AdamW that Megatron-Core builds without Apex/Transformer Engine to torch's
+    fused kernel (``fused=True``: one pass over each tensor, no temporaries), CPU and CUDA alike.
+    Megatron-Core passes no ``fused``/``foreach``, so on CPU torch runs its per-tensor loop, which
+    allocates two parameter-sized temporaries per tensor: measured 2026-12-01 on the 2-core dev
+    machine, one AdamW step over 130M fp32 parameters (one thread) took 0.10-0.14 s fused against
+    0.46-0.54 s. The update is AdamW's either way (to rounding); the flag is saved in the
+    optimizer's state dict, so a resumed run keeps the kernel it was saved with."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if type(inner) in (torch.optim.AdamW, torch.optim.Adam) and all(
+                p.is_floating_point() for g in inner.param_groups for p in g["params"]):
+            inner.defaults.update(fused=True, foreach=None)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=None)
+
+
 class MegatronPolicy:
     """A causal LM on Megatron-Core, loaded from an HF folder, on every rank of the job.
 
@@ -248,6 +265,7 @@ class MegatronPolicy:
                 optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                 clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype), [self.model])
+        _fuse_adam(self.optimizer)
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
