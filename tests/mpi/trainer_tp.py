@@ -1,10 +1,11 @@
-"""Multi-rank checks of MegatronPolicy on SmolLM2-135M against transformers (fp32).
+"""Multi-rank checks of MegatronPolicy against transformers (fp32).
 
-    mpirun -np 3 python tests/mpi/trainer_tp.py tp   # TP=3 (9 heads / 3 KV heads: TP=2 impossible)
+    mpirun -np 3 python tests/mpi/trainer_tp.py tp   # TP=3 (SmolLM2's 9 heads / 3 KV heads: TP=2 impossible)
     mpirun -np 2 python tests/mpi/trainer_tp.py dp   # TP=1, DP=2
 
-tp: logprobs / entropies equal HF's, exported weights are bit-identical to the checkpoint, the
-    grad norm of one step equals HF autograd's on the same loss.
+tp: on tiny random models in SmolLM2's attention layout (Llama, tied) and Qwen2's (QKV bias, untied,
+    padded vocab): logprobs / entropies equal HF's, exported weights are bit-identical to the
+    checkpoint, the grad norm of one step equals HF autograd's on the same loss.
 dp: each rank holds one micro-batch; after one train_step the grad norm equals HF autograd's on
     the concatenated batch (gradient = SUM over DP ranks) and both ranks hold identical weights.
 subgroup (mpirun -np 3): the same with ranks 0 and 1 training over their own DP group (tiny
@@ -137,41 +138,49 @@ def tiny_model_dir(rank: int, tag: str, **config):
     return path
 
 
-def _setup():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# SmolLM2's attention layout (9 heads / 3 KV heads, tied embeddings, vocab divisible by 3), tiny
+SMOL_SHAPE = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 144, "intermediate_size": 192}
 
-    from yatt.assets.model import resolve_model
 
-    path = resolve_model(MODEL)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return path, hf, AutoTokenizer.from_pretrained(path)
+def padded_micro_batches(lengths: list[list[int]], vocab: int, seed: int) -> list[dict]:
+    """Random right-padded micro-batches, one per inner list of sequence lengths: input_ids
+    [B, max len] int64 (pad 0) and mask [B, max len] fp32 (1 on scored tokens, 1 <= t < len)."""
+    gen, mbs = torch.Generator().manual_seed(seed), []
+    for lens in lengths:
+        T = max(lens)
+        ids, mask = torch.zeros(len(lens), T, dtype=torch.long), torch.zeros(len(lens), T)
+        for b, n in enumerate(lens):
+            ids[b, :n], mask[b, 1:n] = torch.randint(1, vocab, (n,), generator=gen), 1.0
+        mbs.append({"input_ids": ids, "mask": mask})
+    return mbs
 
 
 def check_tp(rank: int) -> None:
+    """TP=3 on a tiny Llama in SmolLM2's layout (test_trainer checks SmolLM2 itself at TP=1)."""
+    import tempfile
+
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
     from yatt.trainer.model import SafetensorsState
 
-    path, hf, tok = _setup()
-    policy = MegatronPolicy(path, tp=3, optim=OptimConfig(lr=1e-5, total_steps=2))
-    mbs = make_micro_batches(tok, TEXTS, per_mb=2)
-    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = save_tiny_hf(tmp, "llama", vocab_size=99, tied=True, **SMOL_SHAPE)
+        policy = MegatronPolicy(tmp, tp=3, optim=OptimConfig(lr=1e-5, total_steps=2))
+        assert policy.layout.padded_vocab_size == 99  # divisible by TP=3, as SmolLM2's 49152: no padding
+        ckpt = SafetensorsState(tmp)
+        exported = dict(policy.export_hf_weights())
+        assert set(exported) == set(ckpt) - {"lm_head.weight"}, set(exported) ^ set(ckpt)
+        for name, t in exported.items():
+            assert torch.equal(t, ckpt[name]), name
+    mbs = padded_micro_batches([[14, 9], [11, 6]], vocab=99, seed=2)
     with torch.no_grad():
         for (lp, ent), mb in zip(policy.compute_logprobs(mbs), mbs):
             ref_lp, ref_ent = hf_logprobs_entropy(hf, mb["input_ids"])
             d_lp, d_ent = (lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item()
             print(f"[rank {rank}] TP=3 logprob max|diff| {d_lp:.2e}, entropy {d_ent:.2e}", flush=True)
             assert d_lp < LOGPROB_ATOL and d_ent < LOGPROB_ATOL, (d_lp, d_ent)
-    print(f"[rank {rank}] compute_logprobs {time.time() - t0:.1f}s", flush=True)
-    ckpt = SafetensorsState(path)
-    exported = dict(policy.export_hf_weights())
-    assert set(exported) == set(ckpt) - {"lm_head.weight"}, set(exported) ^ set(ckpt)
-    for name, t in exported.items():
-        assert torch.equal(t, ckpt[name]), name
     ref = hf_grad_norm(hf, mbs, sum_logprob_loss)
-    t0 = time.time()
     stats = policy.train_step(mbs, sum_logprob_loss)
-    print(f"[rank {rank}] TP=3 grad_norm {stats['grad_norm']:.6f} vs HF {ref:.6f}; "
-          f"train_step {time.time() - t0:.1f}s", flush=True)
+    print(f"[rank {rank}] TP=3 grad_norm {stats['grad_norm']:.6f} vs HF {ref:.6f}", flush=True)
     assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
     check_tiny_qwen2_tp(rank)
 
@@ -206,14 +215,18 @@ def check_tiny_qwen2_tp(rank: int) -> None:
 
 
 def check_dp(rank: int) -> None:
+    """DP=2 over the world on a tiny Llama in SmolLM2's layout."""
+    import tempfile
+
     import torch.distributed as dist
 
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
 
-    path, hf, tok = _setup()
-    policy = MegatronPolicy(path, tp=1, optim=OptimConfig(lr=1e-5, total_steps=2))
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = save_tiny_hf(tmp, "llama", vocab_size=99, tied=True, **SMOL_SHAPE)  # same seed: same model on both
+        policy = MegatronPolicy(tmp, tp=1, optim=OptimConfig(lr=1e-5, total_steps=2))
     assert policy.dp == 2
-    mbs = make_micro_batches(tok, TEXTS, per_mb=2)  # rank r trains on mbs[r] only
+    mbs = padded_micro_batches([[14, 9], [11, 6]], vocab=99, seed=2)  # rank r trains on mbs[r] only
     ref = hf_grad_norm(hf, mbs, sum_logprob_loss)
     t0 = time.time()
     stats = policy.train_step([mbs[rank]], sum_logprob_loss)
