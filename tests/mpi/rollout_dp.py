@@ -1,4 +1,5 @@
-"""VLLMEngine under ``mpirun -np 2``: one engine per rank, data parallel, uneven prompt counts.
+"""VLLMEngine under ``mpirun -np 2``: one engine per rank, data parallel, uneven prompt counts; on
+a tiny random Llama in SmolLM2's architecture with SmolLM2's tokenizer (test_rollout serves SmolLM2).
 
 Run: ``.venv/bin/mpirun -np 2 .venv/bin/python tests/mpi/rollout_dp.py``. Exits non-zero (MPI
 Abort) on any failed check; a watchdog aborts after ``ROLLOUT_DP_TIMEOUT`` s (default 600) so a
@@ -35,14 +36,15 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from yatt.assets.model import SMOLLM2, resolve_model
     from yatt.dist import init_distributed
     from yatt.rollout import SamplingSpec, VLLMEngine
+
+    from trainer_tp import tiny_model_dir
 
     info = init_distributed(threads=int(os.environ["OMP_NUM_THREADS"]))
     rank = info.rank
     assert info.world_size == 2, "run with mpirun -np 2"
-    path = str(resolve_model(SMOLLM2))
+    path = str(tiny_model_dir(rank, "rollout_dp", model_type="llama", tied=True, max_position_embeddings=512))
     tok = AutoTokenizer.from_pretrained(path)
     questions = ["What is 2+2?", "Name a colour.", "Say hi.", "Count to three."]
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

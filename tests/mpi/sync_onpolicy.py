@@ -1,4 +1,6 @@
-"""Trainer <-> engine under ``mpirun -np 2`` (DP=2), on the real SmolLM2 model, fp32.
+"""Trainer <-> engine under ``mpirun -np 2`` (DP=2), fp32, on a tiny random Llama in SmolLM2's
+architecture (tied embeddings, SmolLM2's tokenizer; the demo runs of test_e2e check SmolLM2 itself:
+logprob_diff_rollout_vs_train < 1e-3 at every step).
 
 Checks: (1) before any update the trainer's logprobs equal the engine's rollout logprobs;
 (2) the first (on-policy) mini-batch has ratio exactly 1 and clip_frac 0; (3) after one
@@ -20,15 +22,16 @@ def main() -> None:
 
     from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
     from yatt.assets.data import load_prompts
-    from yatt.assets.model import resolve_model
     from yatt.config import AlgoConfig, DataConfig
     from yatt.controller.batch import make_samples
     from yatt.dist import init_distributed
     from yatt.rollout import SamplingSpec, VLLMEngine
     from yatt.trainer import MegatronPolicy, OptimConfig
 
+    from trainer_tp import tiny_model_dir
+
     info = init_distributed(threads=1)
-    path = resolve_model("smollm2-135m-instruct")
+    path = tiny_model_dir(info.rank, "sync_onpolicy", model_type="llama", tied=True)
     tok = AutoTokenizer.from_pretrained(path)
     actor = MegatronPolicy(path, tp=1, optim=OptimConfig(lr=1e-5, total_steps=4))
     engine = VLLMEngine(str(path), max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=info.rank)

@@ -108,14 +108,15 @@ TINY_VLLM = {"vocab_size": 49155, "num_attention_heads": 4, "num_key_value_heads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def save_tiny_vllm(path, **config):
-    """:func:`save_tiny_hf` of a Qwen2 that vLLM's CPU backend serves (:data:`TINY_VLLM`, then
-    ``config``), with SmolLM2's tokenizer files (:data:`TOKENIZER_FILES`) beside it. Returns the HF model."""
+def save_tiny_vllm(path, model_type: str = "qwen2", **config):
+    """:func:`save_tiny_hf` of a Qwen2 (or ``model_type``) that vLLM's CPU backend serves
+    (:data:`TINY_VLLM`, then ``config``), with SmolLM2's tokenizer files (:data:`TOKENIZER_FILES`)
+    beside it. Returns the HF model."""
     import shutil
 
     from yatt.assets.model import resolve_model
 
-    model = save_tiny_hf(path, "qwen2", **(TINY_VLLM | config))
+    model = save_tiny_hf(path, model_type, **(TINY_VLLM | config))
     for f in resolve_model(MODEL).iterdir():
         if f.name in TOKENIZER_FILES:
             shutil.copy(f, path / f.name)
