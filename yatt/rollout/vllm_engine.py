@@ -433,6 +433,10 @@ class VLLMEngine:
         llm = getattr(self, "_llm", None)
         if llm is None:
             return
+        # vLLM's teardown unfreezes the objects frozen before it (gc.unfreeze): a job's libraries,
+        # frozen at its start (yatt.loop.run), go back to the frozen generation after it, or every
+        # later full collection walks them again (~1 s each in a job on the dev machine).
+        frozen = gc.get_freeze_count() > 0
         llm.collective_rpc(_forget_reload_state)
         with contextlib.nullcontext() if self._owns_world else _keep_default_process_group():
             llm.llm_engine.engine_core.shutdown()
@@ -440,6 +444,8 @@ class VLLMEngine:
         del llm
         gc.collect()
         _release_free_heap()
+        if frozen:
+            gc.freeze()
 
     # ------------------------------------------------------------------ helpers
     def _run(self, prompts: list[list[int]], params: list) -> list:
