@@ -83,16 +83,38 @@ def tiny_policy(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_judge(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 judge (SmolLM2's tokenizer) whose output layer favours the yes/no tokens
+    (their rows scaled x20), so they are among its top logprobs and P(yes) is read for every
+    judgement; what it says is random."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from yatt.reward.genrm import yes_no_token_ids
+
+    path = tmp_path_factory.mktemp("tiny_judge")
+    ref.save_tiny_vllm(path, tied=False, max_position_embeddings=2048)  # judge prompts hold question and answer
+    yes, no = yes_no_token_ids(AutoTokenizer.from_pretrained(path))
+    state = load_file(path / "model.safetensors")
+    head = state["lm_head.weight"]
+    rows = torch.tensor(sorted(yes | no))
+    head[rows] *= 20.0
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 @pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
-def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy, mode):
+def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy, tiny_judge, mode):
     """These runs check the placements (where sampling, judging and training run, the streaming, the
-    engine switches and the weight push), which need no real policy or large judge: a tiny random
-    policy and SmolLM2 as the judge. The demo policy trains in the runs above; test_genrm checks the
-    0.5B judge itself (its P(yes) ranks right answers above wrong ones)."""
+    engine switches and the weight push), which need no real policy or judge: tiny random ones. The
+    demo policy trains in the runs above; test_genrm checks the 0.5B judge itself (its P(yes) ranks
+    right answers above wrong ones)."""
     out = tmp_path / "run"
     proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", *SHORT,
                    f"placement.mode={mode}", f"output_dir={out}", "rollout.n=2", f"model.path={tiny_policy}",
-                   "reward.genrm.model=smollm2-135m-instruct"], 2, timeout=900)
+                   f"reward.genrm.model={tiny_judge}"], 2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
