@@ -47,14 +47,23 @@ _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failu
 def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     """Train for ``cfg.trainer.total_steps`` steps; returns rank 0's metric records. ``watchdog``
     (a :class:`yatt.watchdog.Watchdog`) is told each phase, so a hang is reported with it."""
+    # The libraries' objects live as long as the job: full collections stop walking them (vLLM's engine
+    # does the same at start-up; yatt.rollout.vllm_engine freezes again after its teardown unfroze).
+    # Unfrozen at the end, so that interpreter exit frees them (nanobind reports what it does not).
+    gc.freeze()
+    try:
+        return _run(cfg, info, watchdog)
+    finally:
+        gc.unfreeze()
+
+
+def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
+    """:func:`run`'s body."""
     from transformers import AutoTokenizer
 
     from yatt.rollout.vllm_engine import SamplingSpec, VLLMEngine
     from yatt.trainer.actor import MegatronPolicy, OptimConfig, init_parallel_state
 
-    # The libraries' objects live as long as the job: full collections stop walking them (vLLM's engine
-    # does the same at start-up, yatt.rollout.vllm_engine; its shutdown unfreezes).
-    gc.freeze()
     model_path = _resolve_model_once(cfg.model.path, info)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.type != "rule" else None
@@ -157,7 +166,7 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
             with timer("logprob"):
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
             with timer("train"):
-                sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard))
+                sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard, cfg.rollout.max_tokens))
             if t.guard.action == "rollback" and sums["guard_skipped_updates"][0]:
                 sums["guard_rollbacks"] = (float(ckpt.rollback()), 1.0)
             sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
