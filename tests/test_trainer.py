@@ -318,3 +318,23 @@ def test_adamw_runs_torchs_fused_kernel_with_adamws_update(world1, tmp_path, mon
     for a, b in zip(*twins):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert opts[1].param_groups[0]["fused"] and not opts[0].param_groups[0]["fused"]
+
+
+def test_vocab_parallel_entropy_gradient_equals_autograds(world1):
+    """The entropy bonus's gradient (yatt.trainer.actor._VocabParallelEntropy) equals autograd's
+    through log_softmax, padded vocabulary ids included (they get probability 0 and no gradient)."""
+    from yatt.trainer.actor import vocab_parallel_logprobs_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 11, generator=gen)).requires_grad_(True)
+    weights = torch.rand(2, 5, generator=gen)
+    targets = torch.randint(0, 9, (2, 5), generator=gen)
+    _, ent = vocab_parallel_logprobs_entropy(logits.clone(), targets, vocab_size=9, entropy_grad=True)
+    (ent * weights).sum().backward()
+    ours, logits.grad = logits.grad, None
+    logp = torch.log_softmax(logits[..., :9], -1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (ref_ent * weights).sum().backward()
+    torch.testing.assert_close(ent, ref_ent.detach())
+    torch.testing.assert_close(ours, logits.grad)
+    assert not vocab_parallel_logprobs_entropy(logits.clone(), targets, 9)[1].requires_grad  # no bonus, no graph

@@ -112,6 +112,20 @@ class AlgoConfig(_Section):
                     "'package.module:function' (rewards [G, n] -> advantages [G, n]; yatt/algos/estimators.py)")
     norm_adv_by_std: bool = Field(True,
         description="estimator grpo only: divide group-centred rewards by the group's std (false: dr_grpo's form)")
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo"] = Field("ppo_clip",
+        description="policy loss (yatt/algos/policy_loss.py): ppo_clip (PPO's clipped surrogate, DAPO's decoupled "
+                    "clip), dual_clip (also bounds a negative-advantage token's loss by -clip_ratio_c * A), gspo "
+                    "(one length-normalised ratio per sequence, clipped by seq_clip_ratio_low/high)")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field("token_mean",
+        description="per-token loss to scalar: token_mean (every token of the mini-batch weighs the same; DAPO), "
+                    "seq_mean_token_mean (each sequence's token mean, then the mean over sequences; GRPO, GSPO), "
+                    "seq_mean_token_sum_norm (token sums over rollout.max_tokens, mean over sequences; Dr. GRPO)")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual_clip only: a negative-advantage token's loss is at most "
+                                                       "-clip_ratio_c * A")
+    seq_clip_ratio_low: float = Field(3e-4, ge=0, description="gspo only: sequence ratio floor 1 - seq_clip_ratio_low")
+    seq_clip_ratio_high: float = Field(4e-4, ge=0,
+        description="gspo only: sequence ratio ceiling 1 + seq_clip_ratio_high")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus (loss - entropy_coef * entropy)")
     ppo_epochs: int = Field(1, gt=0, description="passes over the step's rollout batch")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch")
     dynamic_sampling: bool = Field(False,
@@ -263,6 +277,14 @@ class Config(_Section):
             raise ValueError(f"rollout.n: the {self.algo.estimator} advantage is group-relative (a reward against "
                              "the other responses to its prompt), so a group of one response has advantage 0 and "
                              "nothing trains; use rollout.n >= 2")
+        a = self.algo
+        for key, reader, read in (("clip_ratio_c", "policy_loss=dual_clip", a.policy_loss == "dual_clip"),
+                                  ("seq_clip_ratio_low", "policy_loss=gspo", a.policy_loss == "gspo"),
+                                  ("seq_clip_ratio_high", "policy_loss=gspo", a.policy_loss == "gspo"),
+                                  ("clip_ratio_low", "policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
+                                  ("clip_ratio_high", "policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo")):
+            if not read and getattr(a, key) != type(a).model_fields[key].default:  # a value meant for another loss
+                raise ValueError(f"algo.{key}: read by algo.{reader} only, not policy_loss={a.policy_loss}")
         if "norm_adv_by_std" in self.algo.model_fields_set and self.algo.estimator != "grpo":
             raise ValueError(f"algo.norm_adv_by_std: read by algo.estimator=grpo only, not {self.algo.estimator}")
         if self.algo.dynamic_sampling and not b.enabled:

@@ -5,7 +5,8 @@
 
 tp: on tiny random models in SmolLM2's attention layout (Llama, tied) and Qwen2's (QKV bias, untied,
     padded vocab): logprobs / entropies equal HF's, exported weights are bit-identical to the
-    checkpoint, the grad norm of one step equals HF autograd's on the same loss.
+    checkpoint, the grad norm of one step equals HF autograd's on the same loss (Qwen2: also with
+    an entropy bonus, whose gradient flows through the vocab-parallel entropy).
 dp: each rank holds one micro-batch; after one train_step the grad norm equals HF autograd's on
     the concatenated batch (gradient = SUM over DP ranks) and both ranks hold identical weights.
 subgroup (mpirun -np 3): the same with ranks 0 and 1 training over their own DP group (tiny
@@ -50,6 +51,16 @@ def sum_logprob_loss(logprobs, entropy, mb):
     return loss, {"loss": loss.detach(), "tokens": mb["mask"].sum()}
 
 
+class EntropyBonusLoss:
+    """:func:`sum_logprob_loss` minus 0.1 x the masked entropy sum; the entropy carries a gradient."""
+
+    entropy_grad = True
+
+    def __call__(self, logprobs, entropy, mb):
+        loss, stats = sum_logprob_loss(logprobs, entropy, mb)
+        return loss - 0.1 * (entropy * mb["mask"]).sum(), stats
+
+
 def hf_logprobs_entropy(hf_model, input_ids):
     """HF reference: (logprobs [B, T], entropy [B, T]) aligned like MegatronPolicy (0 at t=0)."""
     logp = torch.log_softmax(hf_model(input_ids).logits.float(), -1)
@@ -64,7 +75,7 @@ def hf_grad_norm(hf_model, micro_batches, loss_fn) -> float:
     hf_model.zero_grad()
     for mb in micro_batches:
         lp, ent = hf_logprobs_entropy(hf_model, mb["input_ids"])
-        loss_fn(lp, ent.detach(), mb)[0].backward()
+        loss_fn(lp, ent if getattr(loss_fn, "entropy_grad", False) else ent.detach(), mb)[0].backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf_model.parameters() if p.grad is not None))
     hf_model.zero_grad()
     return float(norm)
@@ -212,6 +223,12 @@ def check_tiny_qwen2_tp(rank: int) -> None:
     print(f"[rank {rank}] tiny Qwen2 TP=3: logprob max|diff| {d_lp:.1e}, entropy {d_ent:.1e}, "
           f"grad_norm {stats['grad_norm']:.6f} vs HF {ref:.6f}", flush=True)
     assert d_lp < LOGPROB_ATOL and d_ent < LOGPROB_ATOL, (d_lp, d_ent)
+    assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
+    # an entropy bonus: the vocab-parallel entropy's gradient, at the weights after the step
+    hf.load_state_dict(dict(policy.export_hf_weights()))
+    ref = hf_grad_norm(hf, mbs, EntropyBonusLoss())
+    stats = policy.train_step(mbs, EntropyBonusLoss())
+    print(f"[rank {rank}] tiny Qwen2 TP=3 entropy bonus: grad_norm {stats['grad_norm']:.6f} vs HF {ref:.6f}", flush=True)
     assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
 
 

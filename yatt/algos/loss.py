@@ -1,49 +1,49 @@
-"""The GRPO loss over one micro-batch, in the form the trainer's ``train_step`` expects."""
+"""The actor's loss over one micro-batch, in the form the trainer's ``train_step`` expects."""
 from __future__ import annotations
 
 import torch
 
-from yatt.algos.grpo import clipped_policy_loss, kl_penalty, masked_sum
+from yatt.algos.grpo import kl_penalty, masked_sum
+from yatt.algos.policy_loss import LOSS_AGGS, POLICY_LOSSES, LossNorm
 from yatt.config import AlgoConfig
 
 
-class GRPOLoss:
-    """Token-level GRPO/DAPO loss: clipped surrogate plus ``kl_coef`` times the reference KL.
-
-    The loss of one micro-batch is ``sum_tokens(loss_t) / num_tokens`` where ``num_tokens`` is
-    the response-token count of the whole mini-batch across data-parallel ranks, so the summed
-    gradient over micro-batches and ranks is the token mean (DAPO eq. 10).
+class PolicyLoss:
+    """``agg(policy loss) + kl_coef * agg(KL to the reference) - entropy_coef * agg(entropy)``,
+    the policy loss ``cfg.policy_loss`` and the aggregation ``cfg.loss_agg``
+    (:mod:`yatt.algos.policy_loss`) normalised by ``norm``, the counts of the whole mini-batch
+    across micro-batches and data-parallel ranks, so the summed gradient is the mini-batch's.
 
     Micro-batch keys read: ``response_mask``, ``old_logprobs``, ``rollout_logprobs``,
-    ``advantages`` (``[B, 1]``), and ``ref_logprobs`` when ``kl_coef > 0``. Stats returned are
-    sums over response tokens: ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``, ``ratio``,
-    ``entropy``, ``tokens``, and, with ``on_policy`` (weights not yet updated this step),
-    ``logprob_diff_rollout_vs_train`` and ``diff_tokens``.
+    ``advantages`` (``[B, 1]`` or ``[B, T]``), and ``ref_logprobs`` when ``kl_coef > 0``. Stats
+    returned are sums over response tokens: ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``,
+    ``ratio``, ``entropy``, ``tokens``, and, with ``on_policy`` (weights not yet updated this
+    step), ``logprob_diff_rollout_vs_train`` and ``diff_tokens``. ``entropy_grad`` tells the
+    trainer that the entropy must carry a gradient (``entropy_coef > 0``).
     """
 
-    def __init__(self, cfg: AlgoConfig, num_tokens: float, on_policy: bool = False):
-        self.cfg = cfg
-        self.num_tokens = max(float(num_tokens), 1.0)
-        self.on_policy = on_policy
+    def __init__(self, cfg: AlgoConfig, norm: LossNorm, on_policy: bool = False):
+        self.cfg, self.norm, self.on_policy = cfg, norm, on_policy
+        self.policy_loss, self.agg = POLICY_LOSSES[cfg.policy_loss], LOSS_AGGS[cfg.loss_agg]
+        self.entropy_grad = cfg.entropy_coef > 0
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
-        mask = mb["response_mask"]
-        pg, ratio, clipped = clipped_policy_loss(
-            logprobs, mb["old_logprobs"], mb["advantages"], self.cfg.clip_ratio_low, self.cfg.clip_ratio_high
-        )
-        per_token = pg
-        kl = torch.zeros_like(pg)
-        if self.cfg.kl_coef > 0:
-            kl = kl_penalty(logprobs, mb["ref_logprobs"], self.cfg.kl_estimator)
-            per_token = per_token + self.cfg.kl_coef * kl
-        loss = masked_sum(per_token, mask) / self.num_tokens
+        cfg, mask = self.cfg, mb["response_mask"]
+        terms = self.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, cfg)
+        loss = self.agg(terms.loss, mask, self.norm)
+        kl = None
+        if cfg.kl_coef > 0:
+            kl = kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator)
+            loss = loss + cfg.kl_coef * self.agg(kl, mask, self.norm)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * self.agg(entropy, mask, self.norm)
         with torch.no_grad():
             stats = {
-                "pg_loss": masked_sum(pg, mask),
-                "kl": masked_sum(kl, mask),
+                "pg_loss": masked_sum(terms.loss, mask),
+                "kl": masked_sum(kl, mask) if kl is not None else mask.new_zeros(()),
                 "ppo_kl": masked_sum(kl_penalty(logprobs, mb["old_logprobs"], "k3"), mask),
-                "clip_frac": masked_sum(clipped.float(), mask),
-                "ratio": masked_sum(ratio, mask),
+                "clip_frac": masked_sum(terms.clipped.float(), mask),
+                "ratio": masked_sum(terms.ratio, mask),
                 "entropy": masked_sum(entropy, mask),
                 "tokens": mask.sum(),
             }

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from yatt.algos.loss import GRPOLoss
+from yatt.algos.loss import PolicyLoss
+from yatt.algos.policy_loss import LossNorm
 from yatt.balance import split_micro_batches
 from yatt.config import AlgoConfig
 from yatt.controller.batch import Sample, pack_micro_batches
@@ -70,11 +71,24 @@ def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: 
     return sums
 
 
+def mini_batch_norm(micro_batches: list[dict], max_tokens: int, dp_group=None) -> LossNorm:
+    """The loss normaliser of one mini-batch: its response tokens and sequences summed over its
+    micro-batches and the ranks of ``dp_group`` (one all-reduce; every rank gets the same)."""
+    counts = torch.tensor([[float(mb["response_mask"].sum()), float((mb["response_mask"].sum(-1) > 0).sum())]
+                           for mb in micro_batches] or [[0.0, 0.0]], dtype=torch.float64).sum(0)
+    if dist.is_initialized():
+        dist.all_reduce(counts, group=dp_group)
+    return LossNorm(tokens=float(counts[0]), seqs=float(counts[1]), max_tokens=float(max_tokens))
+
+
 def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None,
-                  guard=None) -> dict[str, tuple[float, float]]:
-    """Run ``cfg.ppo_epochs`` passes of one optimizer step per mini-batch.
+                  guard=None, max_tokens: int = 1) -> dict[str, tuple[float, float]]:
+    """Run ``cfg.ppo_epochs`` passes of one optimizer step per mini-batch, each on the loss
+    :class:`~yatt.algos.loss.PolicyLoss` normalised by the mini-batch's counts over ``dp_group``.
 
     Args:
+        max_tokens: the response length budget (``rollout.max_tokens``), read by
+            ``loss_agg=seq_mean_token_sum_norm``.
         guard: optional ``(grad norm) -> skip?`` (:class:`~yatt.algos.guard.StabilityGuard`); a
             skipped step adds nothing to the metrics but ``guard_skipped_updates``.
     Returns:
@@ -89,10 +103,8 @@ def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_gro
     steps = skipped = 0  # applied, skipped optimizer steps
     for epoch in range(cfg.ppo_epochs):
         for i, mbs in enumerate(mini_batches):
-            tokens = torch.tensor([float(sum(mb["response_mask"].sum() for mb in mbs))], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(tokens, group=dp_group)
-            out = actor.train_step(mbs, GRPOLoss(cfg, float(tokens), on_policy=epoch == 0 and i == 0), guard)
+            norm = mini_batch_norm(mbs, max_tokens, dp_group)
+            out = actor.train_step(mbs, PolicyLoss(cfg, norm, on_policy=epoch == 0 and i == 0), guard)
             if out.pop("update_skipped", 0.0):
                 skipped += 1
                 continue

@@ -43,8 +43,36 @@ class OptimConfig:
     total_steps: int = 1
 
 
-def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _entropy_parts(logits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``exp(z - max z)`` of this shard, its sum over the whole vocab, the entropy), no grad."""
+    with torch.no_grad():
+        shifted = logits.detach() - _all_reduce(logits.detach().amax(-1, keepdim=True), dist.ReduceOp.MAX, group)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(-1), dist.ReduceOp.SUM, group)
+        entropy = sum_exp.log() - _all_reduce((exp * shifted).sum(-1), dist.ReduceOp.SUM, group) / sum_exp
+    return exp, sum_exp, entropy
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy ``H = log Z - sum_i p_i z_i`` of logits split over the TP vocab shards, with its
+    gradient ``dH/dz_i = -p_i (log p_i + H)`` (from ``dH/dz_i = p_i (E_p[z] - z_i)`` and
+    ``z_i - E_p[z] = log p_i + H``), which needs only this shard's ``p`` and the global ``H``:
+    no communication in the backward pass. Saves ``p`` (the size of the logits shard)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, group) -> torch.Tensor:
+        exp, sum_exp, entropy = _entropy_parts(logits, group)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, entropy = ctx.saved_tensors
+        return -grad.unsqueeze(-1) * (torch.special.xlogy(p, p) + p * entropy.unsqueeze(-1)), None
+
+
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``targets`` and entropy from logits split over the TP vocab shards.
 
     Args:
@@ -53,8 +81,10 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
             subtracts the max from it in place.
         targets: [B, T] int64 token ids (< vocab_size).
         vocab_size: true vocab size V; ids in ``[V, Vp)`` are padding and get probability 0.
+        entropy_grad: the entropy carries a gradient (an entropy bonus; :class:`_VocabParallelEntropy`).
     Returns:
-        (logprobs [B, T] fp32, differentiable w.r.t. ``logits``; entropy [B, T] fp32, no grad),
+        (logprobs [B, T] fp32, differentiable w.r.t. ``logits``; entropy [B, T] fp32, no grad
+        unless ``entropy_grad``),
         both at the position of the logits (``logits[:, t]`` scores ``targets[:, t]``).
         Identical on every TP rank; full logits are never gathered.
     Source: ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` for the logprobs,
@@ -70,13 +100,10 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
     if start + local > vocab_size:
         padded = torch.arange(start, start + local, device=logits.device) >= vocab_size
         logits = logits.masked_fill(padded, _PADDED_LOGIT)
-    with torch.no_grad():
-        shifted = logits.detach() - _all_reduce(logits.detach().amax(-1, keepdim=True), dist.ReduceOp.MAX, group)
-        exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(-1), dist.ReduceOp.SUM, group)
-        sum_exp_shifted = _all_reduce((exp * shifted).sum(-1), dist.ReduceOp.SUM, group)
-        entropy = sum_exp.log() - sum_exp_shifted / sum_exp
-        del shifted, exp
+    if entropy_grad and torch.is_grad_enabled():
+        entropy = _VocabParallelEntropy.apply(logits, group)
+    else:
+        entropy = _entropy_parts(logits, group)[2]
     logprobs = -vocab_parallel_cross_entropy(logits, targets)
     return logprobs, entropy
 
@@ -294,13 +321,15 @@ class MegatronPolicy:
 
     def _loss(self, loss_fn, mb: dict, select, logits: torch.Tensor):
         ids = mb["input_ids"]
+        entropy_grad = getattr(loss_fn, "entropy_grad", False)  # an entropy bonus in the loss
         if select is None:
             targets = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
-            logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, self.layout.vocab_size)
+            logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, self.layout.vocab_size, entropy_grad)
             logprobs, entropy = _shift_right(logprobs), _shift_right(entropy)
         else:
             rows, cols = select  # logits at position t score the token at t + 1
-            lp, ent = vocab_parallel_logprobs_entropy(logits, ids[rows, cols + 1].unsqueeze(0), self.layout.vocab_size)
+            lp, ent = vocab_parallel_logprobs_entropy(logits, ids[rows, cols + 1].unsqueeze(0), self.layout.vocab_size,
+                                                      entropy_grad)
             logprobs = ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), lp[0])
             entropy = ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), ent[0])
         loss, stats = loss_fn(logprobs, entropy, mb)
