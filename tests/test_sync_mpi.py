@@ -10,13 +10,11 @@ def test_sync_and_on_policy_ratio(mpirun):
     assert proc.stdout.count("sync OK") == 2, proc.stdout[-3000:]
 
 
-def test_bucketed_sync_tp2_trainer_into_tp1_engines(mpirun):
-    """tests/mpi/reshard_sync.py: TP=2 trainer, 256 KiB buckets, two steps, vLLM logprobs."""
-    proc = mpirun(["tests/mpi/reshard_sync.py", "tp"], 2)
-    assert proc.stdout.count("reshard sync OK") == 2, proc.stdout[-3000:]
-
-
-def test_bucketed_sync_pp2_trainer_two_steps(mpirun):
-    """tests/mpi/reshard_sync.py pp: PP=2 trainer (tied embeddings), two steps, no stale stage."""
-    proc = mpirun(["tests/mpi/reshard_sync.py", "pp"], 2)
-    assert proc.stdout.count("reshard sync OK") == 2, proc.stdout[-3000:]
+def test_bucketed_sync_tp2_then_pp2_trainer_into_tp1_engines(mpirun):
+    """tests/mpi/reshard_sync.py tp,pp in one job (one start-up): a TP=2 trainer, then a PP=2 trainer
+    (tied embeddings, no stale stage), each two steps, 256 KiB buckets, vLLM logprobs after each sync.
+    Each mode prints its per-step lines and "reshard sync OK" on both ranks."""
+    proc = mpirun(["tests/mpi/reshard_sync.py", "tp,pp"], 2)
+    assert proc.stdout.count("reshard sync OK") == 4, proc.stdout[-3000:]
+    for mode in ("tp", "pp"):
+        assert all(f"rank {r} {mode} step {s}:" in proc.stdout for r in (0, 1) for s in (1, 2)), proc.stdout[-3000:]

@@ -1,7 +1,8 @@
 """Bucketed weight sync from a model-parallel trainer into TP=1 vLLM engines, ``mpirun -np 2``.
 
-    mpirun -np 2 python tests/mpi/reshard_sync.py tp   # trainer TP=2, one engine per rank
-    mpirun -np 2 python tests/mpi/reshard_sync.py pp   # trainer PP=2 (2 layers per stage)
+    mpirun -np 2 python tests/mpi/reshard_sync.py tp      # trainer TP=2, one engine per rank
+    mpirun -np 2 python tests/mpi/reshard_sync.py pp      # trainer PP=2 (2 layers per stage)
+    mpirun -np 2 python tests/mpi/reshard_sync.py tp,pp   # one after the other in one job
 
 Model: a small random Qwen2 (4 heads / 2 KV heads of dim 32, QKV bias, vocabulary 49155, padded
 to 49156 at TP=2; 4 layers; tp: untied, pp: tied embeddings, so the last stage holds a copy of
@@ -27,7 +28,7 @@ BUCKET_BYTES = 256 << 10
 def _model_dir(rank: int, tied: bool) -> Path:
     from trainer_tp import tiny_model_dir
 
-    return tiny_model_dir(rank, "reshard_sync", tied=tied)
+    return tiny_model_dir(rank, f"reshard_sync_{'tied' if tied else 'untied'}", tied=tied)
 
 
 def _reference_export(actor) -> dict:
@@ -97,9 +98,19 @@ def main(mode: str) -> None:
     print("reshard sync OK", flush=True)
 
 
+def run(modes: list[str]) -> None:
+    """:func:`main` for each mode in turn, in this one process (Megatron's parallel state rebuilt)."""
+    for i, mode in enumerate(modes):
+        if i:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        main(mode)
+
+
 if __name__ == "__main__":
     try:
-        main(sys.argv[1] if len(sys.argv) > 1 else "tp")
+        run((sys.argv[1] if len(sys.argv) > 1 else "tp").split(","))
     except BaseException:
         import traceback
 
