@@ -142,6 +142,15 @@ def kill_job(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 with SmolLM2's tokenizer (tests/mpi/trainer_tp.py's ``save_tiny_vllm``),
+    for whole jobs whose property is not the model's."""
+    path = tmp_path_factory.mktemp("tiny_policy")
+    trainer_tp.save_tiny_vllm(path, tied=True)
+    return path
+
+
 @dataclass(frozen=True)
 class DemoRun:
     """A finished 4-step demo run: its output folder and its log (both ranks' stdout + stderr)."""

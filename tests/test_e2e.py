@@ -77,14 +77,6 @@ def _check_tensorboard_and_bars(out, train, stderr: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 with SmolLM2's tokenizer (tests/mpi/trainer_tp.py's ``save_tiny_vllm``)."""
-    path = tmp_path_factory.mktemp("tiny_policy")
-    ref.save_tiny_vllm(path, tied=True)
-    return path
-
-
-@pytest.fixture(scope="module")
 def tiny_judge(tmp_path_factory) -> Path:
     """A tiny random Qwen2 judge (SmolLM2's tokenizer) whose output layer favours the yes/no tokens
     (their rows scaled x20), so they are among its top logprobs and P(yes) is read for every

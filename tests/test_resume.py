@@ -73,11 +73,12 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, demo_run
     assert scalars == _scalars(ref) and [s for s, _ in scalars["train/reward_mean"]] == [1, 2, 3, 4]
 
 
-def test_sigterm_during_start_up_exits_for_requeue(tmp_path):
+def test_sigterm_during_start_up_exits_for_requeue(tmp_path, tiny_policy):
     """SIGTERM while the ranks load models and build engines (before any step): the job ends with
-    the requeue code 75, not by the signal, saying there was nothing to save yet; no checkpoint."""
+    the requeue code 75, not by the signal, saying there was nothing to save yet; no checkpoint.
+    The demo recipe with a tiny random policy: the start-up is the same code, shorter."""
     run = tmp_path / "run"
-    proc = launch_job(run)
+    proc = launch_job(run, f"model.path={tiny_policy}")
     log = tmp_path / "run.log"
     assert wait_job(proc, until=lambda: "world 2 (mpi)" in log.read_text()) is None  # rank 0 is up, loading
     proc.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
