@@ -480,6 +480,7 @@ def test_a_failed_final_save_ends_the_run_with_the_last_good_checkpoint(tmp_path
         monkeypatch.setattr(saver_mod, "_save", lambda obj, path: (_ for _ in ()).throw(OSError(28, "No space left")))
         with pytest.raises(CheckpointWriteError, match=r"the final checkpoint \(step 2\) could not be written: rank 0: "
                            r"no space left.*the last good checkpoint is .*step_000001"):
+            ck.begin_final(2)
             ck.finish(2)
     finally:
         ck.triggers.close()
@@ -723,7 +724,8 @@ def test_run_checkpoints_save_points_preemption_and_resume_without_a_policy(tmp_
     again = make(restored)
     assert again.resume() == 5 and restored == Stats(bad_rows=1, seen=4)
     assert again.rollback() is True  # nothing to load on a rank without a policy, but a checkpoint exists
-    again.finish(6)  # save_final
+    again.begin_final(6)  # save_final
+    again.finish(6)
     assert find_latest(again.root) == step_dir(again.root, 6) and committed_steps(again.root) == [5, 6]
     assert signal.getsignal(signal.SIGUSR1) is before
 
@@ -1004,7 +1006,8 @@ def test_resume_from_a_damaged_only_checkpoint_stops_before_training(tmp_path):
 
     config = Config(output_dir=str(tmp_path / "out"), checkpoint={"every_steps": 1, "every_minutes": 0})
     ck = RunCheckpoints(config, 0, None, 0, parts={}, meta={"world": 1, "tp": 1, "pp": 1})
-    ck.finish(1)  # the final save of step 1
+    ck.begin_final(1)  # the final save of step 1
+    ck.finish(1)
     rank_file = step_dir(ck.root, 1) / "rank" / "00000.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:-10])
     again = RunCheckpoints(config, 0, None, 0, parts={}, meta={"world": 1, "tp": 1, "pp": 1})

@@ -180,15 +180,21 @@ class RunCheckpoints:
             self._must_have_saved(step, f"the checkpoint {stop} asked for")
         return stop
 
+    def begin_final(self, step: int) -> None:
+        """After the last step, before the final eval: start the final save
+        (``checkpoint.save_final``; collective), so that its write overlaps the eval. The state
+        is the one after the step, as at every other save point (an eval changes none of it)."""
+        self.saver.poll()
+        if self.cfg.checkpoint.save_final:
+            self.save(step)
+
     def finish(self, step: int) -> None:
-        """After the last step: the final save (``checkpoint.save_final``), all writes committed.
+        """After the final eval: the final save (:meth:`begin_final`) and every write committed.
 
         Raises:
             CheckpointWriteError: the final checkpoint could not be written (the message says
                 why and which checkpoint is the last good one).
         """
-        if self.cfg.checkpoint.save_final:
-            self.save(step)
         self.saver.wait()
         self.triggers.close()
         if self.cfg.checkpoint.save_final:
