@@ -1,7 +1,7 @@
 """The demo recipe end to end under ``mpirun -np 2``: data parallelism (conftest's shared 4-step
 ``demo_run``), a 2-stage pipeline with DAPO dynamic sampling through the Python API (2 steps); the
-GenRM recipe in each placement mode (2 steps each, with ppo_clip, gspo and dual_clip + an
-entropy bonus)."""
+GenRM recipe in each placement mode (2 steps each, with REINFORCE++ (group baseline, KL in the
+reward), gspo, and dual_clip + an entropy bonus)."""
 import json
 import math
 from pathlib import Path
@@ -98,11 +98,11 @@ def tiny_judge(tmp_path_factory) -> Path:
     return path
 
 
-# Each placement run also trains with another policy loss (the losses' math: test_policy_loss).
-LOSSES = {"colocate": [],
-          "partial_colocate": ["algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean"],
-          "disaggregated": ["algo.policy_loss=dual_clip", "algo.loss_agg=seq_mean_token_sum_norm",
-                            "algo.entropy_coef=0.01"]}
+# Each placement run also trains with another algorithm (their math: test_policy_loss, test_token_advantages).
+ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward=0.05"],  # + a reference model
+         "partial_colocate": ["algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean"],
+         "disaggregated": ["algo.policy_loss=dual_clip", "algo.loss_agg=seq_mean_token_sum_norm",
+                           "algo.entropy_coef=0.01"]}
 
 
 @pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
@@ -114,7 +114,7 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
     out = tmp_path / "run"
     proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", *SHORT,
                    f"placement.mode={mode}", f"output_dir={out}", "rollout.n=2", f"model.path={tiny_policy}",
-                   f"reward.genrm.model={tiny_judge}", *LOSSES[mode]], 2, timeout=900)
+                   f"reward.genrm.model={tiny_judge}", *ALGOS[mode]], 2, timeout=900)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]

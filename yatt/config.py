@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # algo.estimator's registered names (yatt/algos/estimators.py registers each; listed here so that
 # validating a config imports no torch: c10 reads its log level when torch is first imported).
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")  # their token stage: yatt/algos/token_advantages.py
 
 
 class ConfigError(ValueError):
@@ -108,8 +109,14 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3",
         description="KL estimator of the KL term (Schulman's k1/k2/k3)")
     estimator: str = Field("grpo",
-        description="advantage estimator: grpo, dr_grpo (no std division), rloo (leave-one-out baseline), or "
+        description="advantage estimator: grpo, dr_grpo (no std division), rloo (leave-one-out baseline), "
+                    "reinforce_pp (KL-shaped token rewards, discounted returns whitened over the step), "
+                    "reinforce_pp_baseline (the same on rewards minus their group mean), or "
                     "'package.module:function' (rewards [G, n] -> advantages [G, n]; yatt/algos/estimators.py)")
+    kl_in_reward: float = Field(0.0, ge=0,
+        description="reinforce_pp estimators only: KL coefficient beta of the token rewards r_t = -beta * KL_t "
+                    "(+ the score at the last token; > 0 loads the reference model)")
+    gamma: float = Field(1.0, gt=0, le=1, description="reinforce_pp estimators only: discount of the token returns")
     norm_adv_by_std: bool = Field(True,
         description="estimator grpo only: divide group-centred rewards by the group's std (false: dr_grpo's form)")
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo"] = Field("ppo_clip",
@@ -269,22 +276,25 @@ class Config(_Section):
         b = self.trainer.balance
         if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
             raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")
-        est = self.algo.estimator  # a module:function is loaded at the job's start (yatt.launch), after logs.setup
+        a, est = self.algo, self.algo.estimator  # a module:function is loaded at the job's start (yatt.launch)
         if est not in GROUP_ESTIMATORS and not re.fullmatch(r"[\w.]+:\w+", est):
             raise ValueError(f"algo.estimator: unknown estimator {est!r}; one of {sorted(GROUP_ESTIMATORS)}, or "
                              "'package.module:function' for your own")
-        if est in GROUP_ESTIMATORS and self.rollout.n < 2:  # refused before any model loads
+        if est in GROUP_ESTIMATORS and est != "reinforce_pp" and self.rollout.n < 2:  # refused before any model loads
             raise ValueError(f"rollout.n: the {self.algo.estimator} advantage is group-relative (a reward against "
                              "the other responses to its prompt), so a group of one response has advantage 0 and "
                              "nothing trains; use rollout.n >= 2")
-        a = self.algo
-        for key, reader, read in (("clip_ratio_c", "policy_loss=dual_clip", a.policy_loss == "dual_clip"),
-                                  ("seq_clip_ratio_low", "policy_loss=gspo", a.policy_loss == "gspo"),
-                                  ("seq_clip_ratio_high", "policy_loss=gspo", a.policy_loss == "gspo"),
-                                  ("clip_ratio_low", "policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
-                                  ("clip_ratio_high", "policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo")):
-            if not read and getattr(a, key) != type(a).model_fields[key].default:  # a value meant for another loss
-                raise ValueError(f"algo.{key}: read by algo.{reader} only, not policy_loss={a.policy_loss}")
+        only = (("clip_ratio_c", "algo.policy_loss=dual_clip", a.policy_loss == "dual_clip"),
+                ("seq_clip_ratio_low", "algo.policy_loss=gspo", a.policy_loss == "gspo"),
+                ("seq_clip_ratio_high", "algo.policy_loss=gspo", a.policy_loss == "gspo"),
+                ("clip_ratio_low", "algo.policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
+                ("clip_ratio_high", "algo.policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
+                ("kl_in_reward", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS),
+                ("gamma", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS))
+        for key, reader, read in only:
+            if not read and getattr(a, key) != type(a).model_fields[key].default:  # meant for another algorithm
+                raise ValueError(f"algo.{key}: read by {reader} only, not policy_loss={a.policy_loss}, "
+                                 f"estimator={est}")
         if "norm_adv_by_std" in self.algo.model_fields_set and self.algo.estimator != "grpo":
             raise ValueError(f"algo.norm_adv_by_std: read by algo.estimator=grpo only, not {self.algo.estimator}")
         if self.algo.dynamic_sampling and not b.enabled:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from yatt.algos.estimators import estimator_for
 from yatt.algos.guard import StabilityGuard
-from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
+from yatt.algos.update import compute_logprobs, finish_advantages, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints, StatsPart
@@ -90,7 +90,8 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
     actor = ref = None
     if placement.trains:
         actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group)
-        ref = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype) if cfg.algo.kl_coef > 0 else None
+        ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
+               if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 else None)
     mp_group, dp_group = _groups()
     dp_group = placement.train_group or dp_group
     balancer = DpBalancer(t.balance, t.micro_batch_tokens, dp_group) if placement.trains and t.balance.enabled else None
@@ -165,6 +166,7 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
                 mini_batches = _mini_batches(samples, balancer, cfg, tokenizer.pad_token_id, sums)
             with timer("logprob"):
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
+                finish_advantages(mini_batches, cfg.algo, dp_group)  # token-level estimators (REINFORCE++)
             with timer("train"):
                 sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard, cfg.rollout.max_tokens))
             if t.guard.action == "rollback" and sums["guard_skipped_updates"][0]:

@@ -7,8 +7,10 @@ estimator here gives it exactly 0 (which is what DAPO dynamic sampling filters o
 
 Registered: ``grpo`` (Shao et al. 2024), ``dr_grpo`` (Liu et al. 2025), ``rloo`` (Ahmadian et al.
 2024). ``algo.estimator=package.module:function`` loads a user's function with the same contract.
-Token-level estimators (REINFORCE++ returns, GAE over critic values) need per-token experience and
-are not outcome estimators.
+``reinforce_pp`` and ``reinforce_pp_baseline`` (Hu 2025) register their outcome stage here (the
+score, or the score minus its group mean); their token-level advantages come later, from
+:mod:`yatt.algos.token_advantages`, once the reference logprobs exist. GAE over critic values is
+not built yet.
 """
 from __future__ import annotations
 
@@ -83,6 +85,35 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     if n < 2:
         raise ValueError(f"rloo needs at least 2 samples per prompt, got {n}")
     return group_advantages(rewards, norm_by_std=False) * (n / (n - 1))
+
+
+@register("reinforce_pp")
+def reinforce_pp(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++'s outcome stage: the score itself, ``r_i`` (Hu 2025, "REINFORCE++", sec. 3).
+    Its advantages are token-level, made once the reference logprobs exist:
+    :func:`yatt.algos.token_advantages.reinforce_pp_advantages` (KL-shaped token rewards,
+    discounted returns, whitening over the step). Not an advantage: equal rewards are not 0.
+
+    Args:
+        rewards: float ``[G, n]``.
+    Returns:
+        float32 ``[G, n]``.
+    """
+    return rewards.to(torch.float32)
+
+
+@register("reinforce_pp_baseline")
+def reinforce_pp_baseline(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ with a group baseline, outcome stage: ``r_i - mean(r)`` over the group (Hu 2025,
+    "REINFORCE++", the baseline variant for multi-sample prompts); then the token stage of
+    :func:`reinforce_pp`. A group of equal rewards gets exactly 0.
+
+    Args:
+        rewards: float ``[G, n]``.
+    Returns:
+        float32 ``[G, n]``.
+    """
+    return group_advantages(rewards, norm_by_std=False)
 
 
 def get_estimator(name: str) -> Estimator:

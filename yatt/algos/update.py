@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from yatt.algos.loss import PolicyLoss
 from yatt.algos.policy_loss import LossNorm
+from yatt.algos.token_advantages import reinforce_pp_advantages
 from yatt.balance import split_micro_batches
-from yatt.config import AlgoConfig
+from yatt.config import TOKEN_ESTIMATORS, AlgoConfig
 from yatt.controller.batch import Sample, pack_micro_batches
 
 
@@ -69,6 +70,15 @@ def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: 
         for mb, (lp, _) in zip(flat, ref.compute_logprobs(flat)):
             mb["ref_logprobs"] = lp
     return sums
+
+
+def finish_advantages(mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None) -> None:
+    """The token stage of ``cfg.estimator`` once the old and reference logprobs exist (collective
+    over ``dp_group``): REINFORCE++'s advantages ``[B, T]``
+    (:func:`~yatt.algos.token_advantages.reinforce_pp_advantages`, whitened over every mini-batch
+    and DP rank of the step); nothing for an outcome estimator, whose ``[B, 1]`` advantage is final."""
+    if cfg.estimator in TOKEN_ESTIMATORS:
+        reinforce_pp_advantages([mb for mbs in mini_batches for mb in mbs], cfg.kl_in_reward, cfg.gamma, dp_group)
 
 
 def mini_batch_norm(micro_batches: list[dict], max_tokens: int, dp_group=None) -> LossNorm:
