@@ -258,6 +258,7 @@ class VLLMEngine:
             kwargs.update(kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True)
         rng_states = _get_rng_states()
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        self._frozen_before = gc.get_freeze_count() > 0  # by the caller (yatt.loop.run), not by vLLM's start-up
         try:
             self._llm = LLM(**kwargs)
         finally:
@@ -435,8 +436,8 @@ class VLLMEngine:
             return
         # vLLM's teardown unfreezes the objects frozen before it (gc.unfreeze): a job's libraries,
         # frozen at its start (yatt.loop.run), go back to the frozen generation after it, or every
-        # later full collection walks them again (~1 s each in a job on the dev machine).
-        frozen = gc.get_freeze_count() > 0
+        # later full collection walks them again (~1 s each in a job on the dev machine). Only what
+        # the caller froze: objects vLLM's start-up froze would outlive the process uncollected.
         llm.collective_rpc(_forget_reload_state)
         with contextlib.nullcontext() if self._owns_world else _keep_default_process_group():
             llm.llm_engine.engine_core.shutdown()
@@ -444,7 +445,7 @@ class VLLMEngine:
         del llm
         gc.collect()
         _release_free_heap()
-        if frozen:
+        if self._frozen_before:
             gc.freeze()
 
     # ------------------------------------------------------------------ helpers
