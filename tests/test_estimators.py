@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from yatt.algos.estimators import ESTIMATORS, advantages, estimator_for, get_estimator, register
-from yatt.config import GROUP_ESTIMATORS, ConfigError, load_config
+from yatt.config import ESTIMATOR_NAMES, ConfigError, load_config
 from yatt.launch import _check_estimator
 
 RECIPE = "configs/grpo_smollm2.yaml"
@@ -57,7 +57,7 @@ def test_estimator_config_errors_name_the_key(overrides, message):
 
 
 def test_the_config_lists_the_registered_names_and_a_job_loads_a_users_function_at_start():
-    assert set(GROUP_ESTIMATORS) == set(ESTIMATORS)  # config.py validates names without importing torch
+    assert set(ESTIMATOR_NAMES) == set(ESTIMATORS)  # config.py validates names without importing torch
     cfg = load_config(RECIPE, ["algo.estimator=nosuchpkg.mod:fn"])  # well-formed: loaded when the job starts
     with pytest.raises(ConfigError, match="algo.estimator: cannot load 'nosuchpkg.mod:fn'"):
         _check_estimator(cfg)

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # algo.estimator's registered names (yatt/algos/estimators.py registers each; listed here so that
 # validating a config imports no torch: c10 reads its log level when torch is first imported).
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need rollout.n >= 2
 TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")  # their token stage: yatt/algos/token_advantages.py
 
 
@@ -277,10 +278,10 @@ class Config(_Section):
         if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
             raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")
         a, est = self.algo, self.algo.estimator  # a module:function is loaded at the job's start (yatt.launch)
-        if est not in GROUP_ESTIMATORS and not re.fullmatch(r"[\w.]+:\w+", est):
-            raise ValueError(f"algo.estimator: unknown estimator {est!r}; one of {sorted(GROUP_ESTIMATORS)}, or "
+        if est not in ESTIMATOR_NAMES and not re.fullmatch(r"[\w.]+:\w+", est):
+            raise ValueError(f"algo.estimator: unknown estimator {est!r}; one of {sorted(ESTIMATOR_NAMES)}, or "
                              "'package.module:function' for your own")
-        if est in GROUP_ESTIMATORS and est != "reinforce_pp" and self.rollout.n < 2:  # refused before any model loads
+        if est in GROUP_RELATIVE and self.rollout.n < 2:  # refused before any model loads
             raise ValueError(f"rollout.n: the {self.algo.estimator} advantage is group-relative (a reward against "
                              "the other responses to its prompt), so a group of one response has advantage 0 and "
                              "nothing trains; use rollout.n >= 2")
