@@ -79,7 +79,14 @@ def clipped_policy_loss(
         (loss ``[B, T]`` to minimise, ratio ``[B, T]``, clipped ``[B, T]`` bool: the clipped
         branch was the active one).
     """
-    ratio = torch.exp(logprob - old_logprob)
+    return clipped_surrogate(torch.exp(logprob - old_logprob), advantages, clip_low, clip_high)
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``max(-A r, -A clip(r, 1 - low, 1 + high))`` for any importance ratio ``r`` (per token, or a
+    sequence's broadcast over its tokens); returns (loss, ``ratio``, clipped) as
+    :func:`clipped_policy_loss`. Shapes ``[B, T]`` (``advantages`` also ``[B, 1]``)."""
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), ratio, clipped > unclipped

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt.algos.grpo import clipped_policy_loss
+from yatt.algos.grpo import clipped_policy_loss, clipped_surrogate
 
 
 @dataclass(frozen=True)
@@ -111,10 +111,8 @@ def gspo(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     lengths = mask.sum(-1, keepdim=True).clamp(min=1.0)
     seq_log_ratio = ((logprob - old_logprob) * mask).sum(-1, keepdim=True) / lengths
     log_ratio = (logprob - logprob.detach() + seq_log_ratio.detach()).clamp(max=10.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cfg.seq_clip_ratio_low, 1.0 + cfg.seq_clip_ratio_high)
-    return PolicyTerms(torch.maximum(unclipped, clipped), ratio, clipped > unclipped)
+    return PolicyTerms(*clipped_surrogate(torch.exp(log_ratio), advantages, cfg.seq_clip_ratio_low,
+                                          cfg.seq_clip_ratio_high))
 
 
 @register_loss_agg("token_mean")
