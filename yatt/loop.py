@@ -195,8 +195,7 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
             with _closing_on_stop(placement, writer):
                 if stop := ckpt.step_end(step):  # a signal's checkpoint is committed: every rank stops here
                     raise Preempted(step, stop)
-    with _closing_on_stop(placement, writer):
-        ckpt.begin_final(t.total_steps)  # written while the final eval runs
+    ckpt.begin_final(t.total_steps)  # written while the final eval runs
     records.extend(evaluate_at(t.total_steps))
     with _closing_on_stop(placement, writer):
         ckpt.finish(t.total_steps)

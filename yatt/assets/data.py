@@ -182,11 +182,10 @@ def _prepare(cfg: DataConfig, tokenizer, raw: Any, stats: LoadStats) -> PromptRo
     """Validate and tokenize one raw row (a row dict, or a :class:`FileRow`); ``None`` (and a
     counted skip, warned about once per file and reason) for a bad one."""
     stats.rows += 1
-    file = raw.file if isinstance(raw, FileRow) else None
-    row = raw.row if isinstance(raw, FileRow) else raw
+    file, row, bad = (raw.file, raw.row, raw.error) if isinstance(raw, FileRow) else (None, raw, None)
     if file is not None:
         stats.files.setdefault(file, [0, 0])[0] += 1
-    bad = raw.error if isinstance(raw, FileRow) and raw.error is not None else _check(cfg, row)
+    bad = bad or _check(cfg, row)
     if bad is None:
         question, answer = row[cfg.question_key], row[cfg.answer_key]
         messages = [{"role": "user", "content": question}]

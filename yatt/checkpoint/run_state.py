@@ -184,7 +184,6 @@ class RunCheckpoints:
         """After the last step, before the final eval: start the final save
         (``checkpoint.save_final``; collective), so that its write overlaps the eval. The state
         is the one after the step, as at every other save point (an eval changes none of it)."""
-        self.saver.poll()
         if self.cfg.checkpoint.save_final:
             self.save(step)
 
