@@ -198,6 +198,15 @@ def _fork_global_rng():
         yield
 
 
+def _eager_on_cpu():
+    """On CPU, vLLM's sampler helper compiled with ``torch.compile`` (``batched_count_greater_than``,
+    the rank of each sampled token's logprob) runs eagerly: compiling it took ~1.6 s of every job's
+    first rollout on the dev machine (and again at each new batch shape) for a kernel that saves
+    nothing there (its point is GPU memory). The result is the same integer count either way.
+    On GPU the compiled kernel is kept."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else torch.compiler.set_stance("force_eager")
+
+
 class VLLMEngine:
     """This rank's vLLM engine (TP group of ``tp`` ranks; ranks ``r // tp`` are independent replicas).
 
@@ -351,7 +360,7 @@ class VLLMEngine:
         engine, call = self._live().llm_engine, next(_CALLS)
         pending = {f"yatt-{call}-{i}": i for i in range(len(prompts))}
         bar = self._bar(total=sum(p.n for p in all_params))
-        with _fork_global_rng(), bar:
+        with _fork_global_rng(), _eager_on_cpu(), bar:
             try:
                 for (rid, i), params in zip(pending.items(), all_params):
                     engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
@@ -458,7 +467,7 @@ class VLLMEngine:
                 return iterable
             return self._bar(total=total, postfix=kw.get("postfix"))
 
-        with _fork_global_rng():
+        with _fork_global_rng(), _eager_on_cpu():
             return llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=use_tqdm if self.progress else False)
 
