@@ -946,6 +946,7 @@ def test_signals_before_the_loop_are_recorded_and_taken_over():
         deadline = time.monotonic() + 5
         while triggers_mod._Early.received is None and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert triggers_mod.early_stop_requested() == "SIGTERM"  # the start-up check before models load
         trig = SaveTriggers(signals=("SIGTERM",))
         assert trig.received == "SIGTERM" and trig.stop_requested() == "SIGTERM"
         trig.close()
@@ -955,6 +956,9 @@ def test_signals_before_the_loop_are_recorded_and_taken_over():
     assert signal.getsignal(signal.SIGTERM) is before
     assert str(triggers_mod.Preempted(0, "SIGTERM", saved=False)) == (
         "SIGTERM received during start-up, nothing to save yet (no step done); stopped")
+    assert str(triggers_mod.Preempted(None, "SIGTERM", saved=False)) == (
+        "SIGTERM received during start-up, nothing to save yet (no step done in this job); stopped")
+    assert triggers_mod.early_stop_requested() is None  # released: nothing recorded
 
 
 @pytest.fixture

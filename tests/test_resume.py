@@ -1,13 +1,17 @@
 """Exact resume of the demo recipe under ``mpirun -np 2``, after a SIGKILL and after a SIGTERM.
 
-One uninterrupted 4-step run is the reference (conftest's ``demo_run``, which test_e2e and
-test_logs check too). A second run in another folder is SIGKILLed (every
+One uninterrupted 4-step run is the reference. A second run in another folder is SIGKILLed (every
 process of the job) while the async write of step 2's checkpoint is in flight during step 3's
 rollout and training; ``resume=auto`` must continue from step 1 (the last complete checkpoint),
 and is sent SIGTERM after its first step: it saves, exits with code 75, and a last
 ``resume=auto`` finishes the run. Every metric of every step must equal the reference's (CPU runs
 with fixed seeds are deterministic), also across the data's epoch boundary (3 prompts per rank
 and 1 per step: step 4 crosses it).
+
+The runs use conftest's tiny random policy, since what resumes (weights, Adam moments, RNG
+streams, the data position, the metric files) is the same code for any model. Its answers score
+0, so every advantage is 0: an entropy bonus gives every step a gradient, and the weights, the
+sampled responses and so every logprob and entropy metric depend on the whole restored state.
 """
 from __future__ import annotations
 
@@ -38,23 +42,26 @@ def _steps(out: Path) -> list[int]:
     return [r["step"] for r in _records(out) if "reward_mean" in r]
 
 
-def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, demo_run):
-    ref, run = demo_run.out, tmp_path / "run"
+def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, tiny_policy):
+    args = (f"model.path={tiny_policy}", "algo.entropy_coef=0.01")
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
     ckpts = ref / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     # no stale weights: consecutive checkpoints differ (retention kept steps 3 and 4)
     w3, w4 = (torch.load(ckpts / f"step_00000{s}" / "model" / "tp0_pp0.pt", weights_only=False) for s in (3, 4))
     assert any(not torch.equal(w3[k], w4[k]) for k in w3)
+    assert all(r["grad_norm"] > 0 for r in _records(ref) if "reward_mean" in r)
 
-    # 1. SIGKILL while step 2's checkpoint is being written (step 3 trains meanwhile)
-    proc = launch_job(run)
+    # 1. SIGKILL while step 2's checkpoint is being written (step 3 trains meanwhile; the write never ends)
+    proc = launch_job(run, *args, script="tests/mpi/stalled_checkpoint.py")
     tmp2, done2 = run / "checkpoints" / "step_000002.tmp", run / "checkpoints" / "step_000002"
     assert wait_job(proc, until=lambda: tmp2.is_dir()) is None
     kill_job(proc)
     assert not done2.exists() and (run / "checkpoints" / "step_000001" / "meta.json").is_file()
 
     # 2. resume=auto continues from step 1; SIGTERM once its first step is recorded
-    proc = launch_job(run)
+    proc = launch_job(run, *args)
     log = tmp_path / "run.log"
     assert wait_job(proc, until=lambda: "step    2 |" in log.read_text().partition("resumed from")[2]) is None
     proc.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
@@ -65,7 +72,7 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, demo_run
     assert latest in ("step_000002", "step_000003") and not list((run / "checkpoints").glob("*.tmp"))
 
     # 3. resume=auto finishes the run
-    assert wait_job(launch_job(run)) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert _records(run) == _records(ref)
     assert _steps(run) == [1, 2, 3, 4]
     # TensorBoard, over the killed, preempted and finishing runs' event files, shows each step once
@@ -74,9 +81,11 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, demo_run
 
 
 def test_sigterm_during_start_up_exits_for_requeue(tmp_path, tiny_policy):
-    """SIGTERM while the ranks load models and build engines (before any step): the job ends with
-    the requeue code 75, not by the signal, saying there was nothing to save yet; no checkpoint.
-    The demo recipe with a tiny random policy: the start-up is the same code, shorter."""
+    """SIGTERM while the ranks start (before any step): the job ends with the requeue code 75, not
+    by the signal, saying there was nothing to save yet; no checkpoint. The ranks check once the
+    data is loaded (before any model loads: where this signal, sent as rank 0 logs its start, is
+    seen) and again once models and engines are up. The demo recipe with a tiny random policy: the
+    start-up is the same code, shorter."""
     run = tmp_path / "run"
     proc = launch_job(run, f"model.path={tiny_policy}")
     log = tmp_path / "run.log"
@@ -84,5 +93,5 @@ def test_sigterm_during_start_up_exits_for_requeue(tmp_path, tiny_policy):
     proc.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
     assert wait_job(proc) == 75, log.read_text()[-4000:]
     text = log.read_text()
-    assert "SIGTERM received during start-up, nothing to save yet (no step done); stopped" in text, text[-4000:]
+    assert "SIGTERM received during start-up, nothing to save yet (no step done" in text, text[-4000:]
     assert "Traceback" not in text and not list((run / "checkpoints").glob("step_*"))

@@ -25,7 +25,7 @@ from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints, StatsPart
 from yatt.checkpoint.saver import CheckpointWriteError
-from yatt.checkpoint.triggers import Preempted
+from yatt.checkpoint.triggers import Preempted, early_stop_requested
 from yatt.config import Config
 from yatt.controller.batch import make_samples, pack_micro_batches
 from yatt.controller.dynamic_sampling import DynamicSampler
@@ -94,6 +94,8 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     log.info("%s", placement.roles.describe())
     train_rows, eval_rows, eval_total = _load_data(cfg, tokenizer, info, placement.eval_ranks)
+    if stop := early_stop_requested():  # a signal so far: stop before the models and engines load
+        raise Preempted(None, stop, saved=False)
     shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
     t = cfg.trainer
     optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches

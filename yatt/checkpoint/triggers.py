@@ -9,7 +9,9 @@ can tell "stopped cleanly, requeue me" from success (0) and failure (anything el
 
 Before the step loop's triggers exist (models loading, engines starting), :func:`catch_early`'s
 handler records the signal instead of letting it kill the rank; the loop then stops at its next
-start-up check (:meth:`SaveTriggers.stop_requested`) with the same exit code and nothing saved.
+start-up check (:func:`early_stop_requested` once the data is loaded, before any model loads;
+:meth:`SaveTriggers.stop_requested` once models and engines are up) with the same exit code and
+nothing saved.
 A second signal while a save is being written is recorded again, never fatal: the save finishes.
 """
 from __future__ import annotations
@@ -25,10 +27,10 @@ class Preempted(Exception):
     """Raised by the step loop after the checkpoint that a signal asked for is committed, or
     (``saved=False``) when the signal came during start-up, before there was a step to save."""
 
-    def __init__(self, step: int, signal_name: str, saved: bool = True):
-        what = (f"saved step {step} and stopped" if saved else
-                f"during start-up, nothing to save yet ({f'the run resumes from step {step}' if step else 'no step done'})"
-                "; stopped")
+    def __init__(self, step: int | None, signal_name: str, saved: bool = True):
+        done = ("no step done in this job" if step is None else f"the run resumes from step {step}" if step
+                else "no step done")
+        what = f"saved step {step} and stopped" if saved else f"during start-up, nothing to save yet ({done}); stopped"
         super().__init__(f"{signal_name} received {what}")
         self.step, self.signal_name, self.saved = step, signal_name, saved
 
@@ -47,6 +49,24 @@ def catch_early(signals: tuple[str, ...]) -> None:
     for name in signals:
         old = signal.signal(getattr(signal, name), on_signal)
         _Early.previous.setdefault(name, old)
+
+
+def early_stop_requested(group=None) -> str | None:
+    """:meth:`SaveTriggers.stop_requested` for the start-up before the step loop's triggers exist:
+    the signal :func:`catch_early` recorded on any rank, or None. Collective."""
+    return _any_rank(_Early.received, group)
+
+
+def _any_rank(received: str | None, group) -> str | None:
+    """``received``, else ``"a signal to another rank"`` if any rank of ``group`` got one, else None
+    (one all-reduce of one int)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([received is not None], dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return (received or "a signal to another rank") if flag.item() else None
 
 
 def release_early() -> None:
@@ -87,13 +107,7 @@ class SaveTriggers:
     def stop_requested(self) -> str | None:
         """The name of a signal received by any rank (``"a signal to another rank"`` where this
         one got none), or None. Collective: the same answer on every rank."""
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([self.received is not None], dtype=torch.int32)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return (self.received or "a signal to another rank") if flag.item() else None
+        return _any_rank(self.received, self.group)
 
     def check(self, step: int) -> tuple[bool, str | None]:
         """(save at this step?, name of the signal that asks to stop, or None). Collective: the
