@@ -153,7 +153,7 @@ def tiny_policy(tmp_path_factory) -> Path:
 
 @dataclass(frozen=True)
 class DemoRun:
-    """A finished 4-step demo run: its output folder and its log (both ranks' stdout + stderr)."""
+    """A finished 2-step demo run: its output folder and its log (both ranks' stdout + stderr)."""
 
     out: Path
     log: str
@@ -161,12 +161,12 @@ class DemoRun:
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> DemoRun:
-    """One uninterrupted run of the demo recipe (:data:`DEMO_ARGS`), started once per session and
-    shared: test_resume's reference, test_e2e's data-parallel run, test_logs' log. It goes through
+    """One run of the demo recipe (:data:`DEMO_ARGS`, 2 steps) on the demo model, started once per
+    session and shared: test_e2e's data-parallel run, test_logs' log. It goes through
     ``tests/mpi/planted_warnings.py``, which runs ``yatt.launch.main`` unchanged and then plants two
     warnings that need action (the run's metrics and files are those of ``python -m yatt.launch``)."""
     out = tmp_path_factory.mktemp("demo") / "ref"
-    code = wait_job(launch_job(out, script="tests/mpi/planted_warnings.py"))
+    code = wait_job(launch_job(out, "trainer.total_steps=2", script="tests/mpi/planted_warnings.py"))
     log = (out.parent / "ref.log").read_text()
     assert code == 0, log[-4000:]
     return DemoRun(out, log)

@@ -1,4 +1,4 @@
-"""The demo recipe end to end under ``mpirun -np 2``: data parallelism (conftest's shared 4-step
+"""The demo recipe end to end under ``mpirun -np 2``: data parallelism (conftest's shared 2-step
 ``demo_run``), a 2-stage pipeline with DAPO dynamic sampling through the Python API (2 steps); the
 GenRM recipe in each placement mode (2 steps each, with REINFORCE++ (group baseline, KL in the
 reward), gspo, and dual_clip + an entropy bonus)."""
@@ -56,7 +56,7 @@ def _check_run(out, log: str, steps: int, stages: int = 1, dynamic: bool = False
 
 
 def test_data_parallel_demo_run_writes_finite_metrics(demo_run):
-    _check_run(demo_run.out, demo_run.log, steps=4)
+    _check_run(demo_run.out, demo_run.log, steps=2)
 
 
 def test_api_run_on_a_pipeline_with_dynamic_sampling_writes_finite_metrics(mpirun, tmp_path):

@@ -14,7 +14,7 @@ out = sys.argv[1]
 trainer = Trainer(actor_model="smollm2-135m-instruct", reward_model=None, strategy="colocate",
                   recipe="configs/grpo_smollm2.yaml",
                   overrides={"output_dir": out, "trainer.total_steps": 2, "trainer.pp": 2, "rollout.n": 2,
-                             "rollout.max_tokens": 24, "data.eval_size": 8, "eval.max_tokens": 16,
+                             "rollout.max_tokens": 24, "data.eval_size": 4, "eval.max_tokens": 16,
                              "algo.dynamic_sampling": True, "algo.max_sampling_rounds": 1})
 records = trainer.train(dataset="basic_arithmetic", batch_size=4, ppo_epochs=1)
 if records:  # rank 0
