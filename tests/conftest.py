@@ -45,30 +45,61 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Tiers: users of the ``mpirun`` and ``demo_run`` fixtures start multi-process jobs (``mpi``);
+    """Tiers: users of the ``mpirun``, ``shared_job`` and ``demo_run`` fixtures start multi-process jobs (``mpi``);
     every test marked neither ``mpi`` nor ``e2e`` runs in this process (``unit``)."""
     for item in items:
-        if {"mpirun", "demo_run"} & set(item.fixturenames):
+        if {"mpirun", "shared_job", "demo_run"} & set(item.fixturenames):
             item.add_marker(pytest.mark.mpi)
         if not any(item.get_closest_marker(m) for m in ("mpi", "e2e")):
             item.add_marker(pytest.mark.unit)
 
 
+def run_mpi(args: list[str], ranks: int, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
+    """``mpirun -np ranks python *args`` from the repo root, one thread per rank; fails the test on a
+    non-zero exit, with the output's tail. ``args`` is the argv after ``python`` (a script path or
+    ``-m module ...``)."""
+    cmd = [str(MPIRUN), "-np", str(ranks), sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(**extra_env), capture_output=True, text=True, timeout=timeout)
+    tail = f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{tail}"
+    return proc
+
+
 @pytest.fixture
 def mpirun():
-    """``mpirun(args, ranks, timeout=600, **env) -> CompletedProcess``; fails the test on a non-zero exit.
+    """``mpirun(args, ranks, timeout=600, **env) -> CompletedProcess``: :func:`run_mpi`."""
+    return run_mpi
 
-    ``args`` is the argv after ``python`` (a script path or ``-m module ...``), run from the repo
-    root with one thread per rank.
-    """
-    def run(args: list[str], ranks: int, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
-        cmd = [str(MPIRUN), "-np", str(ranks), sys.executable, *map(str, args)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=job_env(**extra_env), capture_output=True, text=True, timeout=timeout)
-        tail = f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{tail}"
-        return proc
 
-    return run
+# tests/mpi scripts that share one mpirun job per world size (tests/mpi/in_one_job.py: one after
+# another in the same processes, so the ~10 s start of a job is paid once, not once per script).
+# Each script checks its own properties and prints its own OK lines; the tests read them.
+SHARED_JOBS = {
+    "ranks_2": (2, ["sync_onpolicy", "reshard_sync:tp", "reshard_sync:pp", "rollout_dp", "trainer_tp:dp",
+                    "dp_balance:train", "genrm_dp"]),
+    "ranks_3": (3, ["trainer_tp:tp", "trainer_tp:subgroup"]),
+    "ranks_4": (4, ["data_memory", "dp_balance"]),
+}
+
+
+@pytest.fixture(scope="session")
+def shared_job():
+    """``shared_job(name) -> stdout`` of the :data:`SHARED_JOBS` job ``name``, run once per session on
+    first use. A failed job fails every test that reads it, each with the job's output tail."""
+    outputs: dict[str, str | AssertionError] = {}
+
+    def get(name: str) -> str:
+        if name not in outputs:
+            ranks, scripts = SHARED_JOBS[name]
+            try:
+                outputs[name] = run_mpi(["tests/mpi/in_one_job.py", *scripts], ranks, timeout=1200).stdout
+            except AssertionError as e:
+                outputs[name] = e
+        if isinstance(outputs[name], AssertionError):
+            pytest.fail(f"shared job {name} failed: {outputs[name]}")
+        return outputs[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -274,45 +274,9 @@ def test_generate_within_matches_generate_and_reports_top_logprobs(judge_engine,
     assert judge_engine.generate_within([], spec, 1.0) == []
 
 
-_DP_SCRIPT = '''
-import time
-import torch.distributed as dist
-from transformers import AutoTokenizer
-from yatt.assets.model import SMOLLM2, resolve_model
-from yatt.dist import init_distributed
-from yatt.reward.genrm import GenRMJudge, JudgeItem
-from yatt.rollout import VLLMEngine
-
-if __name__ == "__main__":
-    init_distributed(threads=1)
-    rank = dist.get_rank()
-    path = str(resolve_model(SMOLLM2))
-    tok = AutoTokenizer.from_pretrained(path)
-    eng = VLLMEngine(path, max_model_len=1024, kv_cache_memory_bytes=128 << 20, seed=0)
-    items = [JudgeItem("What is 7 + 5?", "7 + 5 = 12.", "12")] * 3
-    slow = GenRMJudge(eng, tok, template="correctness_verdict", mode="verdict", k=2, max_tokens=600,
-                      temperature=1.0, timeout_s=0.5, unparsable_score=0.25)
-    fast = GenRMJudge(eng, tok, template="correctness_yesno", mode="prob", max_tokens=1,
-                      temperature=0.0, timeout_s=60.0)
-    for mine, theirs in [(items, []), ([], items), (items, items[:1])]:
-        a, b = (mine, theirs) if rank == 0 else (theirs, mine)
-        t0 = time.perf_counter()
-        res = slow.score(a)
-        assert len(res) == len(a) and all(r.timed_out == 2 and r.score == 0.25 for r in res), res
-        assert time.perf_counter() - t0 < 20.0
-        res = fast.score(b)
-        assert len(res) == len(b) and all(r.timed_out == 0 and 0.0 < r.score < 1.0 for r in res), res
-    eng.shutdown()
-    dist.destroy_process_group()
-    print(f"rank {rank} ok", flush=True)
-'''
-
-
 @pytest.mark.slow
-def test_timeouts_never_hang_data_parallel_ranks(mpirun, tmp_path):
-    # SmolLM2 stands in as the judge (two engines on 2 cores); ranks alternate between
-    # timing-out requests and zero items; each rank's engine runs on its own and finishes.
-    script = tmp_path / "genrm_dp.py"
-    script.write_text(_DP_SCRIPT)
-    out = mpirun([script], ranks=2, timeout=300).stdout
-    assert "rank 0 ok" in out and "rank 1 ok" in out
+def test_timeouts_never_hang_data_parallel_ranks(shared_job):
+    """tests/mpi/genrm_dp.py (in conftest's shared 2-rank job): ranks alternate between timing-out
+    requests and zero items; each rank's engine runs on its own and finishes."""
+    out = shared_job("ranks_2")
+    assert "rank 0: genrm_dp OK" in out and "rank 1: genrm_dp OK" in out, out[-3000:]

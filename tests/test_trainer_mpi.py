@@ -10,6 +10,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("mode,ranks", [("tp", 3), ("dp", 2), ("subgroup", 3)])
-def test_trainer_under_mpirun(mpirun, mode, ranks):
-    proc = mpirun(["tests/mpi/trainer_tp.py", mode], ranks)
-    assert proc.stdout.count(f"{mode} OK") == ranks, proc.stdout[-3000:]
+def test_trainer_under_mpirun(shared_job, mode, ranks):
+    """Each mode runs in conftest's shared job of its world size."""
+    out = shared_job(f"ranks_{ranks}")
+    assert out.count(f"] {mode} OK in ") == ranks, out[-3000:]

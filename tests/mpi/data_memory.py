@@ -96,6 +96,7 @@ def main() -> None:
                 peaks[fmt, rows, n] = peak
             comm.Free()
         mpi_arrive(world)
+    tracemalloc.stop()  # it slows every allocation (later scripts of tests/mpi/in_one_job.py)
     if world.rank == 0:
         for key, peak in peaks.items():
             print("peak %-7s rows %5d ranks %d: %7.1f KiB" % (*key, peak / 1024))

@@ -77,7 +77,7 @@ def _train_stats(actor, samples, splits, pad_id):
     return {**{k: v[0] for k, v in out.items()}, "tokens": out["pg_loss"][1]}
 
 
-def main() -> None:
+def main(*args: str) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -90,7 +90,7 @@ def main() -> None:
     from yatt.trainer import MegatronPolicy, OptimConfig
     from yatt.trainer.actor import init_parallel_state
 
-    train = "train" in sys.argv[1:]
+    train = "train" in args
     info = init_distributed(threads=1)
     init_parallel_state(1, 1)
     path = tiny_model_dir(info.rank, "dp_balance", max_position_embeddings=512)  # sequences up to ~300 tokens
@@ -129,8 +129,10 @@ def main() -> None:
               f"{base['tokens']:.0f} vs {moved['tokens']:.0f}")
     print(f"rank {info.rank}: dp_balance OK", flush=True)
     dist.barrier()
-    dist.destroy_process_group()  # a gloo group torn down at interpreter exit may abort the process
 
 
 if __name__ == "__main__":
-    main()
+    import torch.distributed as dist
+
+    main(*sys.argv[1:])
+    dist.destroy_process_group()  # a gloo group torn down at interpreter exit may abort the process

@@ -2,7 +2,7 @@
 
     mpirun -np 2 python tests/mpi/reshard_sync.py tp      # trainer TP=2, one engine per rank
     mpirun -np 2 python tests/mpi/reshard_sync.py pp      # trainer PP=2 (2 layers per stage)
-    mpirun -np 2 python tests/mpi/reshard_sync.py tp,pp   # one after the other in one job
+    mpirun -np 2 python tests/mpi/in_one_job.py reshard_sync:tp reshard_sync:pp   # one after the other
 
 Model: a small random Qwen2 (4 heads / 2 KV heads of dim 32, QKV bias, vocabulary 49155, padded
 to 49156 at TP=2; 4 layers; tp: untied, pp: tied embeddings, so the last stage holds a copy of
@@ -98,19 +98,9 @@ def main(mode: str) -> None:
     print("reshard sync OK", flush=True)
 
 
-def run(modes: list[str]) -> None:
-    """:func:`main` for each mode in turn, in this one process (Megatron's parallel state rebuilt)."""
-    for i, mode in enumerate(modes):
-        if i:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        main(mode)
-
-
 if __name__ == "__main__":
     try:
-        run((sys.argv[1] if len(sys.argv) > 1 else "tp").split(","))
+        main(sys.argv[1] if len(sys.argv) > 1 else "tp")
     except BaseException:
         import traceback
 

@@ -350,10 +350,9 @@ def check_cpu_layer_pp_and_distributed_optimizer(rank: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
-def main(argv: list[str]) -> int:
+def main(mode: str = "tp") -> int:
     from yatt.dist import init_distributed
 
-    mode = argv[1] if len(argv) > 1 else "tp"
     info = init_distributed(threads=1)
     expected = {"tp": 3, "dp": 2, "subgroup": 3}[mode]
     assert info.world_size == expected, f"mode {mode} needs mpirun -np {expected}, got {info.world_size}"
@@ -373,4 +372,4 @@ if __name__ == "__main__":
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for `import yatt`
-    sys.exit(main(sys.argv))
+    sys.exit(main(*sys.argv[1:2]))
