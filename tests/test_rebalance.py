@@ -1,10 +1,23 @@
-"""DpBalancer pieces that need no peers: the packed sample buffers and the one-rank path."""
+"""DpBalancer pieces that need no peers: the packed sample buffers (yatt.controller.wire) and the
+one-rank path."""
+from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
 
 from yatt.config import BalanceConfig
+from yatt.controller import wire
 from yatt.controller.batch import Sample
-from yatt.controller.rebalance import DpBalancer, _fillable, _pack, _packed_bytes, _unpack
+from yatt.controller.rebalance import DpBalancer, _fillable
+
+
+@dataclass
+class ValuedSample(Sample):
+    """A sample with fields an algorithm might add (a critic's values, a group id): declared here
+    only, with no change to the wire format's or the balancer's code."""
+
+    values: list[float] = field(default_factory=list, metadata=wire.PER_TOKEN)
+    group: float = field(default=-1.0, metadata=wire.SCALAR)
 
 
 def _samples():
@@ -15,16 +28,43 @@ def _samples():
 
 def test_pack_round_trip_is_exact():
     samples = _samples()
-    lens = np.array([[len(s.prompt_ids), len(s.response_ids)] for s in samples])
-    buf = _pack(samples)
-    assert buf.dtype == np.uint8 and len(buf) == _packed_bytes(lens)
-    assert _unpack(buf, lens) == samples
-    assert _unpack(_pack([]), lens[:0]) == []
+    lens = wire.lengths(samples)
+    buf = wire.pack(samples, Sample)
+    assert buf.dtype == np.uint8 and len(buf) == wire.packed_bytes(Sample, lens)
+    assert wire.unpack(buf, lens, Sample) == samples
+    assert wire.unpack(wire.pack([], Sample), lens[:0], Sample) == []
+    with pytest.raises(ValueError, match="bytes for samples that need"):
+        wire.unpack(buf[:-4], lens, Sample)
 
 
-def test_unknown_finish_reason_is_rejected():
-    with pytest.raises(ValueError):
-        _pack([Sample([1], [2], [-1.0], "abort")])
+def test_bad_field_values_are_rejected_naming_the_field():
+    with pytest.raises(ValueError, match="Sample.finish_reason is 'abort'"):
+        wire.pack([Sample([1], [2], [-1.0], "abort")], Sample)
+    with pytest.raises(ValueError, match="Sample.rollout_logprobs has 1 values for a response of 2 tokens"):
+        wire.pack([Sample([1], [2, 3], [-1.0], "stop")], Sample)
+
+
+def test_a_new_field_travels_through_the_balancer_unchanged():
+    """The wire format comes from the fields: a subclass's per-token and scalar fields round-trip
+    through pack/unpack and through DpBalancer.balance (the one-rank path packs and unpacks too)."""
+    samples = [ValuedSample(s.prompt_ids, s.response_ids, s.rollout_logprobs, s.finish_reason, s.reward, s.advantage,
+                            values=[0.5 * i - 1.0 for i in range(len(s.response_ids))], group=float(g))
+               for g, s in enumerate(_samples())]
+    lens = wire.lengths(samples)
+    buf = wire.pack(samples, ValuedSample)
+    assert len(buf) == wire.packed_bytes(ValuedSample, lens) == wire.packed_bytes(Sample, lens) + 8 * 3 + 4 * 6
+    assert wire.unpack(buf, lens, ValuedSample) == samples
+    bal = DpBalancer(BalanceConfig(), 64, sample_type=ValuedSample).balance(samples, 1)
+    assert sorted(bal.samples, key=lambda s: s.group) == samples
+
+
+def test_a_field_without_a_wire_kind_is_a_type_error():
+    @dataclass
+    class Undeclared(Sample):
+        note: str = ""
+
+    with pytest.raises(TypeError, match="Undeclared.note declares no wire kind"):
+        wire.pack([], Undeclared)
 
 
 def test_one_rank_keeps_its_samples_and_splits_by_budget():

@@ -6,21 +6,26 @@ One :class:`Sample` is one response to one prompt. Micro-batches are right-padde
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from yatt.algos.grpo import response_mask
+from yatt.controller import wire
 
 
 @dataclass
 class Sample:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]  # engine's logprob of each response token
-    finish_reason: str  # "stop" | "length"
-    reward: float = 0.0
-    advantage: float = 0.0
+    """One response to one prompt and what the step knows about it. Each field declares how it
+    travels between DP ranks (:mod:`yatt.controller.wire`), so a field added here (or in a
+    subclass) moves with the sample when the balancer re-partitions a step."""
+
+    prompt_ids: list[int] = field(metadata=wire.TOKENS)
+    response_ids: list[int] = field(metadata=wire.TOKENS)
+    rollout_logprobs: list[float] = field(metadata=wire.PER_TOKEN)  # engine's logprob of each response token
+    finish_reason: str = field(metadata=wire.choice("stop", "length"))
+    reward: float = field(default=0.0, metadata=wire.SCALAR)
+    advantage: float = field(default=0.0, metadata=wire.SCALAR)
 
     @property
     def length(self) -> int:

@@ -7,7 +7,8 @@ response) lengths of its samples (small metadata, never the samples), every rank
 same plan with the fused C++ balancer (:func:`yatt.balance.dp_balance`: ranks by Karmarkar-Karp
 on ``a*L + b*L**2``, micro-batches under the token budget), and the samples move between ranks as
 packed byte buffers in one all-to-all-v (``MPI_Alltoallv`` under an MPI launcher, else
-torch.distributed). Per-token results computed on the balanced layout go back to the ranks that
+torch.distributed), laid out by :mod:`yatt.controller.wire` from the sample class's fields (a
+field added to the sample travels with it). Per-token results computed on the balanced layout go back to the ranks that
 own the samples with :meth:`Balanced.to_owners`, in the owners' original order.
 
 Within a mini-batch, sample ``(d, i)`` (rank ``d``'s ``i``-th sample of the chunk) has the global
@@ -24,11 +25,9 @@ import torch.distributed as dist
 from yatt.algos.update import mini_batch_bounds
 from yatt.balance import DpPlan, dp_balance
 from yatt.config import BalanceConfig
+from yatt.controller import wire
 from yatt.controller.batch import Sample
 from yatt.dist import mpi_arrive, mpi_comm
-
-_FINISH = ("stop", "length")
-_HEADER = 3  # float64 per sample: reward, advantage, finish-reason code
 
 
 @dataclass
@@ -104,10 +103,13 @@ class DpBalancer:
         token_budget: ``trainer.micro_batch_tokens``, the micro-batch budget in tokens.
         group: the DP process group (None: the default group).
         transport: ``"auto"`` (MPI under an MPI launcher, else torch.distributed) or ``"torch"``.
+        sample_type: the sample dataclass (:class:`~yatt.controller.batch.Sample` or a subclass
+            with more fields); every rank passes the same.
     """
 
-    def __init__(self, cfg: BalanceConfig, token_budget: int, group=None, transport: str = "auto"):
-        self.cfg, self.token_budget = cfg, token_budget
+    def __init__(self, cfg: BalanceConfig, token_budget: int, group=None, transport: str = "auto",
+                 sample_type: type = Sample):
+        self.cfg, self.token_budget, self.sample_type = cfg, token_budget, sample_type
         self.exchange = _Exchange(group, transport)
 
     def balance(self, samples: list[Sample], mini_batches: int) -> Balanced:
@@ -124,16 +126,17 @@ class DpBalancer:
             (the same number on every rank), none when the group holds fewer samples than ranks.
         """
         ex = self.exchange
-        lengths = np.array([[len(s.prompt_ids), len(s.response_ids)] for s in samples], dtype=np.int64).reshape(-1, 2)
+        lengths = wire.lengths(samples)
         every = ex.allgather(lengths)  # [n_d, 2] per rank: the only data every rank sees
         lay = self._layout(every, _fillable(mini_batches, [len(x) for x in every], ex.size))
         recv_pos = [np.nonzero(lay.src == p)[0] for p in range(ex.size)]
         recv_lens = [every[p][lay.src_local[pos]] for p, pos in enumerate(recv_pos)]
-        bufs = ex.alltoallv([_pack([samples[i] for i in idx]) for idx in lay.send],
-                            [_packed_bytes(pr) for pr in recv_lens])
+        cls = self.sample_type
+        bufs = ex.alltoallv([wire.pack([samples[i] for i in idx], cls) for idx in lay.send],
+                            [wire.packed_bytes(cls, pr) for pr in recv_lens])
         balanced: list[Sample | None] = [None] * len(lay.src)
         for pos, buf, pr in zip(recv_pos, bufs, recv_lens):
-            for j, s in zip(pos, _unpack(buf, pr)):
+            for j, s in zip(pos, wire.unpack(buf, pr, cls)):
                 balanced[j] = s
         route = _Route(ex, lay.send, recv_pos, lengths[:, 1].copy())
         return Balanced(balanced, lay.splits, _imbalance(lay.before), _imbalance(lay.after), route)
@@ -188,37 +191,7 @@ def _imbalance(costs: list[np.ndarray]) -> float:
     return 1.0 if mean == 0 else worst / mean
 
 
-# ---- packed sample buffers --------------------------------------------------------------------
-def _packed_bytes(lens: np.ndarray) -> int:
-    """Bytes of :func:`_pack` for samples with (prompt, response) lengths ``lens`` [k, 2]."""
-    return int(8 * _HEADER * len(lens) + 4 * lens.sum() + 4 * lens[:, 1].sum())
-
-
-def _pack(samples: list[Sample]) -> np.ndarray:
-    """``[k x 3 float64 header | all token ids int32 | all rollout logprobs float32]`` as uint8."""
-    header = np.array([[s.reward, s.advantage, _FINISH.index(s.finish_reason)] for s in samples],
-                      dtype=np.float64).reshape(-1, _HEADER)
-    tokens = np.fromiter((t for s in samples for t in (*s.prompt_ids, *s.response_ids)), dtype=np.int32)
-    logprobs = np.fromiter((x for s in samples for x in s.rollout_logprobs), dtype=np.float32)
-    return np.concatenate([header.view(np.uint8).ravel(), tokens.view(np.uint8), logprobs.view(np.uint8)])
-
-
-def _unpack(buf: np.ndarray, lens: np.ndarray) -> list[Sample]:
-    """Inverse of :func:`_pack`, given the samples' (prompt, response) lengths ``lens`` [k, 2]."""
-    k = len(lens)
-    n_tok, n_resp = int(lens.sum()), int(lens[:, 1].sum())
-    header = buf[:8 * _HEADER * k].view(np.float64).reshape(k, _HEADER)
-    tokens = buf[8 * _HEADER * k:8 * _HEADER * k + 4 * n_tok].view(np.int32).tolist()
-    logprobs = buf[8 * _HEADER * k + 4 * n_tok:].view(np.float32)
-    assert len(logprobs) == n_resp, "packed buffer does not match the lengths"
-    out, t, r = [], 0, 0
-    for (p, n), (reward, adv, code) in zip(lens.tolist(), header.tolist()):
-        out.append(Sample(tokens[t:t + p], tokens[t + p:t + p + n], logprobs[r:r + n].tolist(), _FINISH[int(code)],
-                          reward, adv))
-        t, r = t + p + n, r + n
-    return out
-
-
+# ---- per-token results back to the owners ----------------------------------------------------
 def _f32_bytes(arrays: list[np.ndarray]) -> np.ndarray:
     if not arrays:
         return np.zeros(0, dtype=np.uint8)
