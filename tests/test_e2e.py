@@ -1,7 +1,7 @@
 """The demo recipe end to end under ``mpirun -np 2``: data parallelism (conftest's shared 2-step
 ``demo_run``), a 2-stage pipeline with DAPO dynamic sampling through the Python API (2 steps); the
-GenRM recipe in each placement mode (2 steps each, with REINFORCE++ (group baseline, KL in the
-reward), gspo, and dual_clip + an entropy bonus)."""
+GenRM recipe in each placement mode (2 steps each, with REINFORCE++ (group baseline, an adaptive
+KL penalty in the reward), gspo, and dual_clip + an entropy bonus)."""
 import json
 import math
 from pathlib import Path
@@ -99,7 +99,8 @@ def tiny_judge(tmp_path_factory) -> Path:
 
 
 # Each placement run also trains with another algorithm (their math: test_policy_loss, test_token_advantages).
-ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward=0.05"],  # + a reference model
+ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward=0.05",  # + a reference model
+                      "algo.kl_target=0.01", "algo.kl_horizon=8"],  # adaptive: 8 samples a step, a full correction
          "partial_colocate": ["algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean"],
          "disaggregated": ["algo.policy_loss=dual_clip", "algo.loss_agg=seq_mean_token_sum_norm",
                            "algo.entropy_coef=0.01"]}
@@ -138,6 +139,8 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
         assert len(record["idle_rank_s"]) == 2 and all(x >= 0 for x in record["idle_rank_s"])
         if mode != "colocate":
             assert record["genrm_queue_groups_max"] >= 1
+    if mode == "colocate":  # the adaptive KL coefficient: step 1's KL is 0 (policy = reference), under target
+        assert [r["kl_coef_current"] for r in train] == [pytest.approx(0.05), pytest.approx(0.05 * 0.8)]
         if mode == "disaggregated":  # the GenRM rank waits while rank 0 trains
             assert record["idle_rank_s"][1] > record["time_train_s"] * 0.5
             assert record["grad_norm"] > 0  # the entropy bonus has a gradient even where every advantage is 0

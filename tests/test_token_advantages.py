@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from yatt.algos.estimators import ESTIMATORS
+from yatt.algos.kl_control import KLController
 from yatt.algos.token_advantages import (discounted_returns, reinforce_pp_advantages, token_rewards,
                                          whitening_moments)
 from yatt.algos.update import finish_advantages
@@ -84,6 +85,50 @@ def test_outcome_stages_and_config_keys():
         (["algo.estimator=rloo", "algo.gamma=0.9"], "algo.gamma: read by the reinforce_pp estimators only"),
         (["algo.estimator=reinforce_pp_baseline", "rollout.n=1"], "rollout.n: the reinforce_pp_baseline advantage"),
         (["algo.estimator=reinforce_pp", "algo.gamma=0"], "algo.gamma"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(RECIPE, overrides)
+
+
+def test_kl_controller_hand_computed():
+    """Ziegler et al. 2019's proportional controller: e = clip(KL / target - 1, +-0.2), beta *= 1 + e * min(n / horizon, 1)."""
+    fixed = KLController(0.1)  # target 0: beta stays
+    assert fixed.update(kl=5.0, n_samples=64) == 0.1
+    ctrl = KLController(0.1, target=0.5, horizon=100)
+    assert ctrl.update(kl=1.5, n_samples=10) == pytest.approx(0.1 * 1.02)  # e = +0.2 (clipped from 2)
+    assert ctrl.update(kl=0.45, n_samples=10) == pytest.approx(0.1 * 1.02 * 0.99)  # e = -0.1
+    state = ctrl.state_dict()
+    assert ctrl.update(kl=0.0, n_samples=1000) == pytest.approx(0.1 * 1.02 * 0.99 * 0.8)  # K capped at 1
+    again = KLController(0.1, target=0.5, horizon=100)
+    again.load_state_dict(state)
+    assert again.value == pytest.approx(0.1 * 1.02 * 0.99)
+    with pytest.raises(ValueError):
+        KLController(0.1, target=0.5, horizon=0)
+
+
+def test_finish_advantages_uses_and_adapts_the_kl_coefficient():
+    old = torch.full((2, 5), -1.0)
+    mb = {"response_mask": MASK, "advantages": torch.tensor([[1.0], [0.0]]), "old_logprobs": old, "ref_logprobs": old - 0.2}
+    direct = [dict(mb)]
+    reinforce_pp_advantages(direct, beta=0.25, gamma=1.0)
+    cfg = AlgoConfig(estimator="reinforce_pp", kl_in_reward=0.5, kl_target=0.1, kl_horizon=4)
+    ctrl = KLController(0.25, cfg.kl_target, cfg.kl_horizon)  # e.g. resumed at 0.25, not the config's 0.5
+    got = [dict(mb)]
+    sums = finish_advantages([got], cfg, kl_ctrl=ctrl)
+    torch.testing.assert_close(got[0]["advantages"], direct[0]["advantages"])  # the controller's beta was used
+    assert sums["reward_kl"] == pytest.approx((0.2 * 5, 5.0)) and sums["kl_coef_current"] == (0.25, 1.0)
+    assert ctrl.value == pytest.approx(0.25 * (1 + 0.2 * 2 / 4))  # KL 0.2 over target 0.1: e = +0.2; 2 samples
+    assert finish_advantages([[dict(mb)]], AlgoConfig(estimator="reinforce_pp")) == {}  # no KL term: no metrics
+
+
+def test_kl_target_config_keys():
+    cfg = load_config(RECIPE, ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward=0.05", "algo.kl_target=0.02",
+                               "algo.kl_horizon=500"])
+    assert (cfg.algo.kl_target, cfg.algo.kl_horizon) == (0.02, 500)
+    for overrides, message in [
+        (["algo.estimator=reinforce_pp", "algo.kl_target=0.02"], "algo.kl_target: adapts the coefficient"),
+        (["algo.kl_target=0.02"], "algo.kl_target: read by the reinforce_pp estimators only"),
+        (["algo.estimator=reinforce_pp", "algo.kl_horizon=0"], "algo.kl_horizon"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(RECIPE, overrides)

@@ -117,6 +117,11 @@ class AlgoConfig(_Section):
     kl_in_reward: float = Field(0.0, ge=0,
         description="reinforce_pp estimators only: KL coefficient beta of the token rewards r_t = -beta * KL_t "
                     "(+ the score at the last token; > 0 loads the reference model)")
+    kl_target: float = Field(0.0, ge=0,
+        description="reinforce_pp estimators only: per-token KL (nats) that adapts the kl_in_reward coefficient "
+                    "after each step (Ziegler et al. 2019; yatt/algos/kl_control.py); 0 keeps it fixed")
+    kl_horizon: int = Field(10000, gt=0,
+        description="with kl_target: samples over which the adaptive KL coefficient makes a full correction")
     gamma: float = Field(1.0, gt=0, le=1, description="reinforce_pp estimators only: discount of the token returns")
     norm_adv_by_std: bool = Field(True,
         description="estimator grpo only: divide group-centred rewards by the group's std (false: dr_grpo's form)")
@@ -291,11 +296,16 @@ class Config(_Section):
                 ("clip_ratio_low", "algo.policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
                 ("clip_ratio_high", "algo.policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
                 ("kl_in_reward", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS),
+                ("kl_target", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS),
+                ("kl_horizon", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS),
                 ("gamma", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS))
         for key, reader, read in only:
             if not read and getattr(a, key) != type(a).model_fields[key].default:  # meant for another algorithm
                 raise ValueError(f"algo.{key}: read by {reader} only, not policy_loss={a.policy_loss}, "
                                  f"estimator={est}")
+        if a.kl_target > 0 and a.kl_in_reward == 0:
+            raise ValueError("algo.kl_target: adapts the coefficient algo.kl_in_reward, which is 0 (no KL penalty); "
+                             "set algo.kl_in_reward > 0 as its starting value")
         if "norm_adv_by_std" in self.algo.model_fields_set and self.algo.estimator != "grpo":
             raise ValueError(f"algo.norm_adv_by_std: read by algo.estimator=grpo only, not {self.algo.estimator}")
         if self.algo.dynamic_sampling and not b.enabled:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from yatt.algos.estimators import estimator_for
 from yatt.algos.guard import StabilityGuard
+from yatt.algos.kl_control import KLController
 from yatt.algos.update import compute_logprobs, finish_advantages, make_mini_batches, policy_update
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
@@ -116,12 +117,14 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
     sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds)
                if cfg.algo.dynamic_sampling else None)
     estimator = estimator_for(cfg.algo.estimator, cfg.algo.norm_adv_by_std)
+    kl_ctrl = (KLController(cfg.algo.kl_in_reward, cfg.algo.kl_target, cfg.algo.kl_horizon)
+               if cfg.algo.kl_target > 0 else None)  # the adaptive KL-in-reward coefficient (a fixed one has no state)
     phase = watchdog.phase if watchdog is not None else lambda name, step: None
     phase("engines", 0)
     placement.start()
     ckpt = RunCheckpoints(cfg, info.rank, actor, _dp_rank(placement.train_group),
                           parts={"shard": shard, "data_stats": StatsPart(train_rows.stats), "guard": guard,
-                                 "sampler": sampler, "placement": placement},
+                                 "sampler": sampler, "placement": placement, "kl_ctrl": kl_ctrl},
                           meta={"world": info.world_size, "tp": t.tp, "pp": t.pp, "dtype": cfg.model.dtype,
                                 "model_path": str(model_path), "config": cfg.model_dump()})
     with _closing_on_stop(placement):  # a damaged checkpoint stops every rank here, named
@@ -182,7 +185,7 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
                 mini_batches = _mini_batches(samples, balancer, cfg, tokenizer.pad_token_id, sums)
             with timer("logprob"):
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
-                finish_advantages(mini_batches, cfg.algo, dp_group)  # token-level estimators (REINFORCE++)
+                sums.update(finish_advantages(mini_batches, cfg.algo, dp_group, kl_ctrl))  # token-level (REINFORCE++)
             with timer("train"):
                 sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard, cfg.rollout.max_tokens))
             if t.guard.action == "rollback" and sums["guard_skipped_updates"][0]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from yatt.algos.kl_control import KLController
 from yatt.algos.loss import PolicyLoss
 from yatt.algos.policy_loss import LossNorm
 from yatt.algos.token_advantages import reinforce_pp_advantages
@@ -72,13 +73,39 @@ def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: 
     return sums
 
 
-def finish_advantages(mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None) -> None:
+def finish_advantages(mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None,
+                      kl_ctrl: KLController | None = None) -> dict[str, tuple[float, float]]:
     """The token stage of ``cfg.estimator`` once the old and reference logprobs exist (collective
     over ``dp_group``): REINFORCE++'s advantages ``[B, T]``
     (:func:`~yatt.algos.token_advantages.reinforce_pp_advantages`, whitened over every mini-batch
-    and DP rank of the step); nothing for an outcome estimator, whose ``[B, 1]`` advantage is final."""
-    if cfg.estimator in TOKEN_ESTIMATORS:
-        reinforce_pp_advantages([mb for mbs in mini_batches for mb in mbs], cfg.kl_in_reward, cfg.gamma, dp_group)
+    and DP rank of the step); nothing for an outcome estimator, whose ``[B, 1]`` advantage is final.
+
+    With a KL penalty in the rewards (``cfg.kl_in_reward > 0``) its coefficient is ``kl_ctrl``'s
+    (:class:`~yatt.algos.kl_control.KLController`; None: fixed at ``cfg.kl_in_reward``), and the
+    step's KL over the DP ranks (one all-reduce) adapts it for the next step.
+
+    Returns:
+        metric sums ``{name: (sum, count)}``: ``reward_kl`` (per-token k1 KL of the old to the
+        reference logprobs) and ``kl_coef_current`` (the beta this step used); ``{}`` otherwise.
+    """
+    if cfg.estimator not in TOKEN_ESTIMATORS:
+        return {}
+    flat = [mb for mbs in mini_batches for mb in mbs]
+    beta = kl_ctrl.value if kl_ctrl is not None else cfg.kl_in_reward
+    reinforce_pp_advantages(flat, beta, cfg.gamma, dp_group)
+    if cfg.kl_in_reward == 0:
+        return {}
+    acc = torch.zeros(3, dtype=torch.float64)  # KL sum, response tokens, samples
+    for mb in flat:
+        mask = mb["response_mask"].to(torch.float64)
+        kl = (mb["old_logprobs"] - mb["ref_logprobs"]).to(torch.float64)
+        acc += torch.stack([(kl * mask).sum(), mask.sum(), torch.tensor(float(mask.shape[0]), dtype=torch.float64)])
+    local = acc[:2].tolist()
+    if dist.is_initialized():
+        dist.all_reduce(acc, group=dp_group)
+    if kl_ctrl is not None:
+        kl_ctrl.update(float(acc[0] / acc[1]) if acc[1] > 0 else 0.0, int(acc[2]))
+    return {"reward_kl": (local[0], local[1]), "kl_coef_current": (beta, 1.0)}
 
 
 def mini_batch_norm(micro_batches: list[dict], max_tokens: int, dp_group=None) -> LossNorm:
