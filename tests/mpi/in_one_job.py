@@ -17,6 +17,7 @@ import faulthandler
 import importlib
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -28,7 +29,10 @@ sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the scripts' own imports (tr
 def run(items: list[str]) -> None:
     for item in items:
         script, _, args = item.partition(":")
+        t0 = time.perf_counter()
         importlib.import_module(script).main(*filter(None, args.split(",")))
+        if os.environ.get("PMI_RANK", os.environ.get("RANK", "0")) == "0":
+            print(f"in_one_job: {item} took {time.perf_counter() - t0:.1f} s", flush=True)
         if "megatron.core.parallel_state" in sys.modules:
             sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
     import torch.distributed as dist
