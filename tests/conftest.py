@@ -45,8 +45,8 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Tiers: users of the ``mpirun``, ``shared_job`` and ``demo_run`` fixtures start multi-process jobs (``mpi``);
-    every test marked neither ``mpi`` nor ``e2e`` runs in this process (``unit``)."""
+    """Tiers: users of the ``mpirun``, ``shared_job`` and ``demo_run`` fixtures start multi-process
+    jobs (``mpi``); every test marked neither ``mpi`` nor ``e2e`` runs in this process (``unit``)."""
     for item in items:
         if {"mpirun", "shared_job", "demo_run"} & set(item.fixturenames):
             item.add_marker(pytest.mark.mpi)
@@ -85,17 +85,18 @@ SHARED_JOBS = {
 @pytest.fixture(scope="session")
 def shared_job():
     """``shared_job(name) -> stdout`` of the :data:`SHARED_JOBS` job ``name``, run once per session on
-    first use. A failed job fails every test that reads it, each with the job's output tail."""
-    outputs: dict[str, str | AssertionError] = {}
+    first use. A failed or timed-out job fails every test that reads it, each with the job's output
+    tail, and is not run again."""
+    outputs: dict[str, str | Exception] = {}
 
     def get(name: str) -> str:
         if name not in outputs:
             ranks, scripts = SHARED_JOBS[name]
             try:
                 outputs[name] = run_mpi(["tests/mpi/in_one_job.py", *scripts], ranks, timeout=1200).stdout
-            except AssertionError as e:
+            except (AssertionError, subprocess.TimeoutExpired) as e:
                 outputs[name] = e
-        if isinstance(outputs[name], AssertionError):
+        if isinstance(outputs[name], Exception):
             pytest.fail(f"shared job {name} failed: {outputs[name]}")
         return outputs[name]
 

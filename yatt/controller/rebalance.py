@@ -8,8 +8,9 @@ same plan with the fused C++ balancer (:func:`yatt.balance.dp_balance`: ranks by
 on ``a*L + b*L**2``, micro-batches under the token budget), and the samples move between ranks as
 packed byte buffers in one all-to-all-v (``MPI_Alltoallv`` under an MPI launcher, else
 torch.distributed), laid out by :mod:`yatt.controller.wire` from the sample class's fields (a
-field added to the sample travels with it). Per-token results computed on the balanced layout go back to the ranks that
-own the samples with :meth:`Balanced.to_owners`, in the owners' original order.
+field added to the sample travels with it). Per-token results computed on the balanced layout go
+back to the ranks that own the samples with :meth:`Balanced.to_owners`, in the owners' original
+order.
 
 Within a mini-batch, sample ``(d, i)`` (rank ``d``'s ``i``-th sample of the chunk) has the global
 index ``sum(n_e for e < d) + i``; that fixed order makes the plan identical on every rank.
