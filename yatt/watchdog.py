@@ -89,6 +89,7 @@ EXIT_RANK_LOST = 4
 """Exit status of a job ended by the watchdog (a rank died or hung). Distinct from 1 (a Python
 error on some rank), 2 (usage), 75 (preempted, :mod:`yatt.checkpoint.triggers`) and hydra's
 128+signal / signal-number codes."""
+_ABORT_GRACE_S = 1.0  # seconds between the failure message and MPI_Abort (see Watchdog._end_job)
 
 KEY_PREFIX = "yatt/watchdog/"
 
@@ -434,6 +435,10 @@ class Watchdog:
         if launched_by_mpi():
             from mpi4py import MPI
 
+            # hydra forwards a rank's stderr through its proxy on another channel than the abort,
+            # which tears the job down at once: without this pause the message naming the lost rank
+            # was sometimes missing from mpirun's output on a busy machine (the job still ended).
+            time.sleep(_ABORT_GRACE_S)
             MPI.COMM_WORLD.Abort(EXIT_RANK_LOST)
         if self.rank == 0:  # let the other ranks read the note (they poll every interval)
             self._published_abort.wait(self.interval_s + 1)
