@@ -134,6 +134,45 @@ def test_trained_checkpoint_exports_to_transformers(trained, exported):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
 
+def test_a_trained_critic_exports_as_sequence_classification_and_loads_back(world1, trained, tmp_path):
+    """PPO's critic (value head from 0 on the tiny policy) after one step, checkpointed beside the
+    actor: ``--role critic`` writes a one-label sequence-classification folder; transformers' hidden
+    states x its ``score`` give the critic's values, and a critic built from the export has them."""
+    from transformers import AutoModelForSequenceClassification
+
+    from yatt.trainer.actor import OptimConfig
+    from yatt.trainer.critic import MegatronCritic
+
+    base, _, _, _, seqs = trained
+    critic = MegatronCritic(base, optim=OptimConfig(lr=1e-2))
+    mbs = [{"input_ids": torch.tensor([s]), "response_mask": torch.ones(1, len(s)),
+            "target": torch.full((1, len(s)), 0.5)} for s in seqs]
+    assert all(v.eq(0).all() for v in critic.compute_values(mbs))  # the head starts at zero
+    assert critic.train_step(mbs, ref.value_loss)["grad_norm"] > 0
+    root = tmp_path / "ckpt"
+    step = write_checkpoint(root, 1, {(0, 0): critic.module.state_dict()}, model_path=base)
+    (step / "model" / "tp0_pp0.pt").rename(step / "model" / "critic_tp0_pp0.pt")
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"] = {k.replace("tp0", "critic_tp0"): v for k, v in meta["files"].items()}
+    with pytest.raises(ValueError, match="has no critic"):
+        (step / "meta.json").write_text(json.dumps(meta))
+        export_checkpoint(root, tmp_path / "none", role="critic")
+    (step / "meta.json").write_text(json.dumps({**meta, "critic_model_path": str(base)}))
+    assert main([str(root), str(tmp_path / "critic"), "--role", "critic"]) == 0
+    out = tmp_path / "critic"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["num_labels"] == 1
+    hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    ours = critic.compute_values(mbs)
+    with torch.no_grad():
+        theirs = [ref.hf_values(hf, hf.score.weight, mb["input_ids"]) for mb in mbs]
+    err = max((a[0, 1:] - b[0, 1:]).abs().max().item() for a, b in zip(ours, theirs))
+    assert err < TRAINER_ATOL and all(v.abs().max() > 1e-3 for v in ours), err
+    again = MegatronCritic(out)  # the export is a critic's starting point (critic.model)
+    for a, b in zip(again.compute_values(mbs), ours):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_vllm_loads_the_export(world1, trained, exported):
     from transformers import AutoModelForCausalLM

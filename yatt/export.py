@@ -1,6 +1,7 @@
 """Export a trainer checkpoint as a self-contained Hugging Face folder.
 
     python -m yatt.export CHECKPOINT OUT_DIR [--overwrite] [--max-shard-size 5GB] [--model-path DIR]
+                          [--role actor|critic]
 
 ``CHECKPOINT`` is a committed step directory (``<root>/step_000012``, holding ``meta.json`` and
 ``model/tp{t}_pp{p}.pt``: the ``state_dict()`` of the GPTModel of TP rank t, pipeline stage p,
@@ -9,7 +10,9 @@ merged with :mod:`yatt.trainer.hf_mapping` (the mapping the live weight sync use
 safetensors (sharded with an index above ``--max-shard-size``) next to the base model's
 ``config.json`` (``dtype`` / ``torch_dtype`` set to the checkpoint dtype), generation config,
 tokenizer files and chat template, so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and
-``vllm.LLM(OUT_DIR)`` load it as is. The folder is built under a temporary name beside
+``vllm.LLM(OUT_DIR)`` load it as is. ``--role critic`` exports PPO's value model instead
+(``model/critic_tp{t}_pp{p}.pt``) as a one-label ``*ForSequenceClassification`` folder whose
+``score.weight`` is the value head. The folder is built under a temporary name beside
 ``OUT_DIR`` and renamed into place when complete. Errors print ``yatt.export: <message>`` to
 stderr and exit with status 2.
 """
@@ -66,10 +69,13 @@ def read_meta(step_dir: Path) -> dict:
     return meta
 
 
-def expected_hf_names(layout: Layout) -> set[str]:
-    """HF tensor names of a complete model of ``layout`` (tied: no ``lm_head.weight``)."""
+def expected_hf_names(layout: Layout, role: str = "actor") -> set[str]:
+    """HF tensor names of a complete model of ``layout`` (tied: no ``lm_head.weight``; the critic:
+    ``score.weight`` in place of the LM head)."""
     names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not layout.tied_embeddings:
+    if role == "critic":
+        names.add("score.weight")
+    elif not layout.tied_embeddings:
         names.add("lm_head.weight")
     kinds = ("weight", "bias") if layout.qkv_bias else ("weight",)
     for i in range(layout.num_layers):
@@ -90,8 +96,11 @@ def _load_shard(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.endswith("_extra_state")}
 
 
-def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict) -> dict[str, torch.Tensor]:
+def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict, role: str = "actor") -> dict[str, torch.Tensor]:
     """Merge the model shards of a step directory into full HF tensors.
+
+    ``role="critic"`` merges the critic's shards (``model/critic_tp{t}_pp{p}.pt``): its value head
+    ``[1, H]`` (replicated over TP) becomes a sequence-classification model's ``score.weight``.
 
     Loads one pipeline stage (its ``tp`` shard files, memory-mapped) at a time; the result is one
     model copy of fresh contiguous CPU tensors.
@@ -114,7 +123,8 @@ def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict) -> dict[str, torc
     layout = layout_from_hf(hf_config, tp)
     out: dict[str, torch.Tensor] = {}
     for stage in range(pp):
-        paths = [step_dir / "model" / f"tp{t}_pp{stage}.pt" for t in range(tp)]
+        prefix = "" if role == "actor" else f"{role}_"
+        paths = [step_dir / "model" / f"{prefix}tp{t}_pp{stage}.pt" for t in range(tp)]
         shards = [_load_shard(f) for f in paths]
         for f, s in zip(paths[1:], shards[1:], strict=True):
             if s.keys() != shards[0].keys():
@@ -124,6 +134,9 @@ def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict) -> dict[str, torc
             if t0.dtype != dtype:
                 raise ValueError(f"{paths[0]}: {local} is {t0.dtype}, meta.json says {meta['dtype']}")
             name = global_param_name(local, layout, pp, stage)
+            if role == "critic" and name == "output_layer.weight":  # the value head, the same on every TP rank
+                out["score.weight"] = t0.clone(memory_format=torch.contiguous_format)
+                continue
             if pp > 1 and layout.tied_embeddings and name == "output_layer.weight":
                 continue  # the last stage's copy of the tied embedding
             for hf_name, t in megatron_to_hf(name, [s[local] for s in shards], layout):
@@ -131,7 +144,7 @@ def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict) -> dict[str, torc
                     raise ValueError(f"{hf_name} appears twice (stage {stage}: {name})")
                 out[hf_name] = t.clone(memory_format=torch.contiguous_format)  # own storage, off the mmap
         del shards
-    expected = expected_hf_names(layout)
+    expected = expected_hf_names(layout, role)
     if missing := expected - out.keys():
         raise ValueError(f"checkpoint {step_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
     if extra := out.keys() - expected:
@@ -153,8 +166,17 @@ def _write_folder(folder: Path, state: dict[str, torch.Tensor], hf_config: dict,
             shutil.copyfile(model_path / name, folder / name)
 
 
+def critic_config(hf_config: dict) -> dict:
+    """The base model's ``config.json`` as a one-label sequence-classification model's (the
+    critic's export: ``AutoModelForSequenceClassification`` loads it; YATT's critic and reward
+    sources read its ``score.weight`` as the value head)."""
+    arch = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[hf_config["model_type"]]
+    return dict(hf_config, architectures=[arch], num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False, *,
-                      max_shard_size: int | str = "5GB", model_path: str | Path | None = None) -> Path:
+                      max_shard_size: int | str = "5GB", model_path: str | Path | None = None,
+                      role: str = "actor") -> Path:
     """Write the model of a checkpoint as an HF folder (safetensors, config, tokenizer).
 
     Args:
@@ -164,7 +186,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
         max_shard_size: safetensors shard size (bytes or a string such as ``"5GB"``); above it
             the weights are split into ``model-0000i-of-0000n.safetensors`` + index.
         model_path: folder with the base model's config and tokenizer, instead of
-            ``meta["model_path"]`` (a checkpoint moved to another machine).
+            ``meta["model_path"]`` (``meta["critic_model_path"]`` for the critic; a checkpoint
+            moved to another machine).
+        role: ``"actor"`` (the policy, a causal LM) or ``"critic"`` (PPO's value model, written
+            as a one-label sequence-classification model: :func:`critic_config`).
     Returns:
         ``out_dir`` as a Path.
     Raises:
@@ -173,6 +198,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
             not verify (:func:`yatt.checkpoint.files.verify`: size or CRC-32 differs, missing).
         FileExistsError: ``out_dir`` is a non-empty directory (without ``overwrite``) or a file.
     """
+    if role not in ("actor", "critic"):
+        raise ValueError(f"role must be 'actor' or 'critic', not {role!r}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
@@ -183,11 +210,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
     if damaged:
         raise ValueError(f"checkpoint {step} does not verify: {'; '.join(damaged)}")
     meta = read_meta(step)
-    base = Path(model_path if model_path is not None else meta["model_path"])
+    if role == "critic" and "critic_model_path" not in meta:
+        raise ValueError(f"checkpoint {step} has no critic (meta.json: no critic_model_path)")
+    base = Path(model_path if model_path is not None else meta[f"{role}_model_path" if role != "actor" else "model_path"])
     if not (base / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in the base model folder {base} (use --model-path)")
     hf_config = json.loads((base / "config.json").read_text())
-    state = hf_state_dict(step, meta, hf_config)
+    state = hf_state_dict(step, meta, hf_config, role)
+    if role == "critic":
+        hf_config = critic_config(hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -227,11 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     parser.add_argument("--model-path", default=None, help="base model folder instead of meta.json's model_path")
+    parser.add_argument("--role", default="actor", choices=("actor", "critic"),
+                        help="actor: the policy (a causal LM); critic: PPO's value model (sequence classification)")
     args = parser.parse_args(argv)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, args.overwrite, max_shard_size=size,
-                                model_path=args.model_path)
+                                model_path=args.model_path, role=args.role)
     except (OSError, ValueError, KeyError, NotImplementedError) as e:
         print(f"yatt.export: {e}", file=sys.stderr)
         return 2

@@ -7,8 +7,10 @@ tp: on tiny random models in SmolLM2's attention layout (Llama, tied) and Qwen2'
     padded vocab): logprobs / entropies equal HF's, exported weights are bit-identical to the
     checkpoint, the grad norm of one step equals HF autograd's on the same loss (Qwen2: also with
     an entropy bonus, whose gradient flows through the vocab-parallel entropy).
+    The critic (a value head on the tiny Llama) at TP=3: values and grad norm vs transformers.
 dp: each rank holds one micro-batch; after one train_step the grad norm equals HF autograd's on
     the concatenated batch (gradient = SUM over DP ranks) and both ranks hold identical weights.
+    The critic at PP=2: values and grad norm vs transformers.
 subgroup (mpirun -np 3): the same with ranks 0 and 1 training over their own DP group (tiny
     Qwen2) while rank 2 never builds a trainer (placement.mode=disaggregated's GenRM rank).
 Asserts; exits non-zero on failure. Also imported by tests/test_trainer.py for the HF reference.
@@ -232,6 +234,70 @@ def check_tiny_qwen2_tp(rank: int) -> None:
     assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
 
 
+VALUE_ATOL = 1e-4  # critic values vs HF's hidden states x head, fp32 (measured: see the job's lines)
+
+
+def save_tiny_critic(path, seed: int = 5):
+    """:func:`save_tiny_hf` (tiny Llama in SmolLM2's layout, tied) plus a random value head
+    ``score.weight`` ``[1, H]`` in its safetensors (a sequence-classification model's head).
+    Returns (the HF causal LM, the head)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    hf = save_tiny_hf(path, "llama", vocab_size=99, tied=True, **SMOL_SHAPE)
+    head = torch.randn(1, SMOL_SHAPE["hidden_size"], generator=torch.Generator().manual_seed(seed)) * 0.3
+    file = str(Path(path) / "model.safetensors")
+    save_file({**load_file(file), "score.weight": head}, file, metadata={"format": "pt"})
+    return hf, head
+
+
+def hf_values(hf, head, input_ids):
+    """The reference values: HF's final hidden states x head, at the token they value (0 at t = 0)."""
+    v = (hf.model(input_ids).last_hidden_state @ head.T)[..., 0]
+    return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)
+
+
+def value_loss(values, mb):
+    """0.5 x the squared error to fixed targets over the masked tokens."""
+    loss = 0.5 * (((values - mb["target"]) ** 2) * mb["response_mask"]).sum()
+    return loss, {"loss": loss.detach()}
+
+
+def check_critic(rank: int, tp: int, pp: int) -> None:
+    """MegatronCritic at TP=tp, PP=pp against a single-process reference (transformers): values
+    within VALUE_ATOL, and the grad norm of one step of a squared-error loss within GRAD_NORM_RTOL
+    of HF autograd's (each rank holds the same micro-batches: the DP ranks' gradients add up)."""
+    import tempfile
+
+    from yatt.trainer.actor import OptimConfig, init_parallel_state
+    from yatt.trainer.critic import MegatronCritic
+
+    init_parallel_state(tp, pp)
+    with tempfile.TemporaryDirectory() as tmp:  # every rank writes the same seeded model
+        hf, head = save_tiny_critic(tmp)
+        critic = MegatronCritic(tmp, tp=tp, pp=pp, optim=OptimConfig(lr=1e-3, total_steps=2))
+    mbs = padded_micro_batches([[14, 9], [11, 6]], vocab=99, seed=4)
+    gen = torch.Generator().manual_seed(6)
+    for mb in mbs:
+        mb["response_mask"] = mb["mask"] * (torch.arange(mb["mask"].shape[1]) >= 3)  # "prompt": the first 3 tokens
+        mb["target"] = torch.randn(mb["mask"].shape, generator=gen)
+    with torch.no_grad():
+        refs = [hf_values(hf, head, mb["input_ids"]) * mb["response_mask"] for mb in mbs]
+    diff = max((v - r).abs().max().item() for v, r in zip(critic.compute_values(mbs), refs))
+    hf.zero_grad()
+    head_ref = head.clone().requires_grad_(True)
+    ref_loss = sum(value_loss(hf_values(hf, head_ref, mb["input_ids"]), mb)[0] for mb in mbs)
+    (ref_loss * critic.dp).backward()  # every DP rank trains on the same micro-batches
+    ref = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in [*hf.model.parameters(), head_ref]
+                         if p.grad is not None)).item()
+    stats = critic.train_step(mbs, value_loss)
+    print(f"[rank {rank}] critic TP={tp} PP={pp}: values max|diff| {diff:.1e}, grad_norm {stats['grad_norm']:.6f} "
+          f"vs HF {ref:.6f}", flush=True)
+    assert diff < VALUE_ATOL, diff
+    assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
+
+
 def check_dp(rank: int) -> None:
     """DP=2 over the world on a tiny Llama in SmolLM2's layout."""
     import tempfile
@@ -359,11 +425,13 @@ def main(mode: str = "tp") -> int:
     t0 = time.time()
     if mode == "tp":
         check_tp(info.rank)
+        check_critic(info.rank, tp=3, pp=1)
     elif mode == "subgroup":
         check_dp_subgroup(info.rank)
     else:
         check_dp(info.rank)
-        check_cpu_layer_pp_and_distributed_optimizer(info.rank)
+        check_cpu_layer_pp_and_distributed_optimizer(info.rank)  # leaves no parallel state
+        check_critic(info.rank, tp=1, pp=2)
     print(f"[rank {info.rank}] {mode} OK in {time.time() - t0:.1f}s", flush=True)
     return 0
 

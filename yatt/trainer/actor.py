@@ -230,6 +230,8 @@ class MegatronPolicy:
     tracker (seed 1234) without disturbing the global torch RNG.
     """
 
+    head = "lm"  # the output layer (yatt.trainer.model.build_gpt_model); the critic's is "value"
+
     def __init__(self, hf_path: str | Path, *, tp: int = 1, pp: int = 1, optim: OptimConfig | None = None,
                  dtype: torch.dtype = torch.float32, dp_group=None):
         megatron_cpu.apply()
@@ -253,7 +255,7 @@ class MegatronPolicy:
         self.last_stage = self.stage == pp - 1
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else parallel_state.get_data_parallel_world_size()
         self.optim = optim
-        self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, calculate_per_token_loss=True)
+        self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, head=self.head, calculate_per_token_loss=True)
         self.config = self.model.config
         self._device = next(self.model.parameters()).device
         self.module = self.model  # the bare GPTModel (this TP rank's shard of its stage), under any wrappers
@@ -363,6 +365,11 @@ class MegatronPolicy:
         def keep(logprobs, entropy, mb):
             return logprobs.new_zeros(()), {"logprobs": logprobs, "entropy": entropy}
 
+        return [(o["logprobs"], o["entropy"]) for o in self._forward_only(micro_batches, keep, ("logprobs", "entropy"))]
+
+    def _forward_only(self, micro_batches: list[dict], keep: Callable, names: tuple[str, ...]) -> list[dict]:
+        """``keep``'s ``[B, T]`` outputs ``names`` per micro-batch, in eval mode and without grad,
+        on every pipeline stage (the last stage's, broadcast over the pipeline)."""
         if not micro_batches:
             return []
         training = self.model.training
@@ -373,13 +380,13 @@ class MegatronPolicy:
         finally:
             self.model.train(training)
         if self.pp == 1:
-            return [(o["logprobs"], o["entropy"]) for o in out]
+            return out
         shapes = [mb["input_ids"].shape for mb in micro_batches]
-        flat = (torch.cat([t.reshape(-1).float() for o in out for t in (o["logprobs"], o["entropy"])])
-                if self.last_stage else torch.empty(2 * sum(s.numel() for s in shapes), device=self._device))
+        flat = (torch.cat([o[n].reshape(-1).float() for o in out for n in names]) if self.last_stage
+                else torch.empty(len(names) * sum(s.numel() for s in shapes), device=self._device))
         dist.broadcast(flat, *_last_stage())
-        parts = iter(flat.split([s.numel() for s in shapes for _ in range(2)]))
-        return [(next(parts).view(s), next(parts).view(s)) for s in shapes]
+        parts = iter(flat.split([s.numel() for s in shapes for _ in names]))
+        return [{n: next(parts).view(s) for n in names} for s in shapes]
 
     # ---- training ------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], loss_fn: Callable,

@@ -8,6 +8,7 @@ Transformer Engine) so the model also runs on CPU (see :mod:`yatt.trainer.megatr
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -60,32 +61,42 @@ class SafetensorsState(Mapping):
         return len(self._files)
 
 
-def _stage_name(name: str, layout: Layout, pp: int, stage: int) -> list[str]:
-    """Names that Megatron parameter ``name`` (global layer index) has on ``stage`` (may be [])."""
+def _stage_name(name: str, layout: Layout, pp: int, stage: int, head: str = "lm") -> list[str]:
+    """Names that Megatron parameter ``name`` (global layer index) has on ``stage`` (may be []);
+    with ``head="value"`` the last stage holds no copy of tied embeddings (no LM head)."""
     if name.startswith("decoder.layers."):
         k, rest = name[len("decoder.layers."):].split(".", 1)
         layers = stage_layers(layout, pp, stage)
         return [f"decoder.layers.{int(k) - layers.start}.{rest}"] if int(k) in layers else []
     last = stage == pp - 1
     if name == "embedding.word_embeddings.weight":
-        tied_copy = ["output_layer.weight"] if layout.tied_embeddings and pp > 1 and last else []
+        tied_copy = ["output_layer.weight"] if layout.tied_embeddings and pp > 1 and last and head == "lm" else []
         return (["embedding.word_embeddings.weight"] if stage == 0 else []) + tied_copy
     return [name] if last else []
 
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], layout: Layout,
-                    tp_rank: int, pp: int = 1, stage: int = 0) -> None:
+                    tp_rank: int, pp: int = 1, stage: int = 0, head: str = "lm") -> None:
     """Copy HF weights into a bare GPTModel (this TP rank's shards of this pipeline stage),
-    casting to the param dtype.
+    casting to the param dtype. With ``head="value"`` the last stage's :class:`ValueHead` takes
+    the HF folder's ``score.weight`` ``[1, H]`` (a sequence-classification model's head: a critic
+    or reward model) and starts at zero without one (a critic initialised from a policy: every
+    value 0, so its first advantages are the rewards'); the LM head is not read.
 
     Raises:
         ValueError: a shape differs, or the model and the mapping disagree on parameter names.
     """
     params = dict(model.named_parameters())
     loaded = set()
-    for global_name, tensor in hf_to_megatron(hf_state, layout, tp_rank):
-        for name in _stage_name(global_name, layout, pp, stage):
+    if head == "value" and "output_layer.weight" in params:
+        score = hf_state["score.weight"] if "score.weight" in hf_state else torch.zeros_like(params["output_layer.weight"])
+        params["output_layer.weight"].copy_(score.reshape(params["output_layer.weight"].shape))
+        loaded.add("output_layer.weight")
+    # the value head's model maps like a tied one: no lm_head is read (a critic folder has none)
+    mapped = dataclasses.replace(layout, tied_embeddings=True) if head == "value" else layout
+    for global_name, tensor in hf_to_megatron(hf_state, mapped, tp_rank):
+        for name in _stage_name(global_name, layout, pp, stage, head):
             if name not in params:
                 raise ValueError(f"mapping produced {name!r}, which the model does not have")
             if params[name].shape != tensor.shape:
@@ -100,12 +111,31 @@ def _skip_init(weight: torch.Tensor) -> None:
     """No-op init method: every weight is overwritten by the checkpoint."""
 
 
-def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, **config_overrides):
+class ValueHead(torch.nn.Module):
+    """A scalar head in place of GPTModel's output layer (a critic's or reward model's):
+    hidden states ``[S, B, H]`` -> ``([S, B, 1], None)``, the output layer's call signature.
+    Its weight ``[1, H]`` (no bias, as HF's ``*ForSequenceClassification.score``) is replicated
+    on every TP rank: the hidden states are whole there, so each computes the same values and
+    gradients (no TP communication; Megatron counts a replicated parameter once in the grad norm)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden, self.weight), None
+
+
+def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, head: str = "lm",
+                    **config_overrides):
     """GPTModel for this TP rank and pipeline stage with the HF folder's weights loaded.
 
     Args:
         hf_path: HF folder with ``config.json`` and safetensors weights.
         dtype: parameter dtype (``params_dtype``).
+        head: ``"lm"`` (the causal LM's output layer, logits ``[B, T, Vp/tp]``) or ``"value"``
+            (a :class:`ValueHead` on the last stage, ``[B, T, 1]``; embeddings never tied to it;
+            :func:`load_hf_weights` says where its weight comes from).
         config_overrides: extra ``TransformerConfig`` fields (e.g. ``calculate_per_token_loss``).
     Returns:
         (model, layout): the bare ``GPTModel`` (train mode, on CPU or the current CUDA device)
@@ -132,10 +162,17 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
     config_overrides = dict(init_method=_skip_init, output_layer_init_method=_skip_init,
                             embedding_init_method=_skip_init, **config_overrides)
     config = transformer_config(hf, tp=tp, pp=pp, dtype=dtype, perform_initialization=True, **config_overrides)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), **gpt_model_kwargs(hf, tp),
+    if head not in ("lm", "value"):
+        raise ValueError(f"head must be 'lm' or 'value', not {head!r}")
+    kwargs = gpt_model_kwargs(hf, tp)
+    if head == "value":
+        kwargs["share_embeddings_and_output_weights"] = False
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), **kwargs,
                      pre_process=stage == 0, post_process=stage == pp - 1)
+    if head == "value" and stage == pp - 1:
+        model.output_layer = ValueHead(layout.hidden_size, dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     load_hf_weights(model, SafetensorsState(hf_path), layout, parallel_state.get_tensor_model_parallel_rank(),
-                    pp, stage)
+                    pp, stage, head)
     return model, layout
