@@ -103,7 +103,9 @@ ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward
                       "algo.kl_target=0.01", "algo.kl_horizon=8"],  # adaptive: 8 samples a step, a full correction
          "partial_colocate": ["algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean"],
          "disaggregated": ["algo.policy_loss=dual_clip", "algo.loss_agg=seq_mean_token_sum_norm",
-                           "algo.entropy_coef=0.01"]}
+                           "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true"]}  # PPO's critic
+CRITIC = ["value_loss", "value_clip_frac", "values_mean", "returns_mean", "explained_variance", "critic_grad_norm",
+          "critic_lr", "entropy_bonus"]
 
 
 @pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
@@ -121,7 +123,8 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
     assert [r["step"] for r in train] == [1, 2]
     final = out / "checkpoints" / "step_000002"  # every rank's state; the model once (judge-only ranks have none)
     assert sorted(p.name for p in (final / "rank").iterdir()) == ["00000.pt", "00001.pt"]
-    assert [p.name for p in (final / "model").iterdir()] == ["tp0_pp0.pt"]
+    critic = mode == "disaggregated"  # on the trainer subgroup of rank 0
+    assert sorted(p.name for p in (final / "model").iterdir()) == ["critic_tp0_pp0.pt"] * critic + ["tp0_pp0.pt"]
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
     keys = REQUIRED + ["reward_genrm_mean", "genrm_unparsable", "time_genrm_s", "reward_rule_mean",
                        "time_rollout_genrm_s", "idle_s", "idle_max_s"]
@@ -129,6 +132,8 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
         keys += ["genrm_queue_tokens_max", "genrm_queue_groups_max", "genrm_queue_tokens_mean"]
     if mode != "disaggregated":
         keys += ["time_engines_s"]  # CPU: engines torn down and rebuilt to release memory
+    if critic:
+        keys += CRITIC + ["time_critic_s"]
     for record in train:
         bad = {k: record.get(k) for k in keys
                if not (isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))}
@@ -139,10 +144,11 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
         assert len(record["idle_rank_s"]) == 2 and all(x >= 0 for x in record["idle_rank_s"])
         if mode != "colocate":
             assert record["genrm_queue_groups_max"] >= 1
-    if mode == "colocate":  # the adaptive KL coefficient: step 1's KL is 0 (policy = reference), under target
-        assert [r["kl_coef_current"] for r in train] == [pytest.approx(0.05), pytest.approx(0.05 * 0.8)]
         if mode == "disaggregated":  # the GenRM rank waits while rank 0 trains
             assert record["idle_rank_s"][1] > record["time_train_s"] * 0.5
             assert record["grad_norm"] > 0  # the entropy bonus has a gradient even where every advantage is 0
+            assert record["critic_grad_norm"] > 0 and record["entropy_bonus"] > 0
+    if mode == "colocate":  # the adaptive KL coefficient: step 1's KL is 0 (policy = reference), under target
+        assert [r["kl_coef_current"] for r in train] == [pytest.approx(0.05), pytest.approx(0.05 * 0.8)]
     if mode == "colocate":  # rank 0 judges too
         assert "genrm: 100%" in proc.stderr, proc.stderr[-3000:]

@@ -45,7 +45,7 @@ def test_a_users_estimator_by_import_path_and_its_output_checked():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["algo.estimator=ppo"], "algo.estimator: unknown estimator 'ppo'; one of ['dr_grpo', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
+    (["algo.estimator=ppo"], "algo.estimator: unknown estimator 'ppo'; one of ['dr_grpo', 'gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
     (["algo.estimator=mypkg.mod.fn"], "algo.estimator: unknown estimator 'mypkg.mod.fn'"),
     (["algo.estimator=rloo", "rollout.n=1"], "rollout.n: the rloo advantage is group-relative"),
     (["algo.estimator=rloo", "algo.norm_adv_by_std=false"], "algo.norm_adv_by_std: read by algo.estimator=grpo only"),

@@ -11,9 +11,10 @@ and 1 per step: step 4 crosses it).
 The runs use conftest's tiny random policy, since what resumes (weights, Adam moments, RNG
 streams, the data position, the metric files) is the same code for any model. Its answers score
 0: an entropy bonus gives every step a gradient, and the weights, the sampled responses and so
-every logprob and entropy metric depend on the whole restored state. They train with REINFORCE++
-and an adaptive KL penalty in the reward, so the KL coefficient's state resumes too (it changes
-every step: ``kl_coef_current`` is among the metrics compared).
+every logprob and entropy metric depend on the whole restored state. They train PPO with a critic
+(GAE) and an adaptive KL penalty in the reward, so the critic (weights, Adam moments, LR schedule:
+``value_loss``, ``values_mean``, ``critic_grad_norm`` are among the metrics compared) and the KL
+coefficient's state resume too (it changes every step: ``kl_coef_current``).
 """
 from __future__ import annotations
 
@@ -45,17 +46,19 @@ def _steps(out: Path) -> list[int]:
 
 
 def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, tiny_policy):
-    args = (f"model.path={tiny_policy}", "algo.entropy_coef=0.01", "algo.estimator=reinforce_pp_baseline",
+    args = (f"model.path={tiny_policy}", "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true",
             "algo.kl_in_reward=0.05", "algo.kl_target=0.01", "algo.kl_horizon=4")  # + the KL coefficient's state
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
     ckpts = ref / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     # no stale weights: consecutive checkpoints differ (retention kept steps 3 and 4)
-    w3, w4 = (torch.load(ckpts / f"step_00000{s}" / "model" / "tp0_pp0.pt", weights_only=False) for s in (3, 4))
-    assert any(not torch.equal(w3[k], w4[k]) for k in w3)
+    for role in ("tp0_pp0", "critic_tp0_pp0"):  # the policy's and the critic's
+        w3, w4 = (torch.load(ckpts / f"step_00000{s}" / "model" / f"{role}.pt", weights_only=False) for s in (3, 4))
+        assert any(not torch.equal(w3[k], w4[k]) for k in w3), role
     train = [r for r in _records(ref) if "reward_mean" in r]
     assert all(r["grad_norm"] > 0 for r in train) and len({r["kl_coef_current"] for r in train}) == 4
+    assert all(r["critic_grad_norm"] > 0 for r in train[1:])  # step 1: KL 0 and scores 0, so returns = values = 0
 
     # 1. SIGKILL while step 2's checkpoint is being written (step 3 trains meanwhile; the write never ends)
     proc = launch_job(run, *args, script="tests/mpi/stalled_checkpoint.py")

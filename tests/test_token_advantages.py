@@ -81,8 +81,8 @@ def test_outcome_stages_and_config_keys():
                                "rollout.n=1"])  # no group: one response per prompt is enough
     assert cfg.algo.kl_in_reward == 0.01 and cfg.algo.gamma == 0.99
     for overrides, message in [
-        (["algo.kl_in_reward=0.01"], "algo.kl_in_reward: read by the reinforce_pp estimators only"),
-        (["algo.estimator=rloo", "algo.gamma=0.9"], "algo.gamma: read by the reinforce_pp estimators only"),
+        (["algo.kl_in_reward=0.01"], "algo.kl_in_reward: read by the reinforce_pp and gae estimators only"),
+        (["algo.estimator=rloo", "algo.gamma=0.9"], "algo.gamma: read by the reinforce_pp and gae estimators only"),
         (["algo.estimator=reinforce_pp_baseline", "rollout.n=1"], "rollout.n: the reinforce_pp_baseline advantage"),
         (["algo.estimator=reinforce_pp", "algo.gamma=0"], "algo.gamma"),
     ]:
@@ -127,7 +127,7 @@ def test_kl_target_config_keys():
     assert (cfg.algo.kl_target, cfg.algo.kl_horizon) == (0.02, 500)
     for overrides, message in [
         (["algo.estimator=reinforce_pp", "algo.kl_target=0.02"], "algo.kl_target: adapts the coefficient"),
-        (["algo.kl_target=0.02"], "algo.kl_target: read by the reinforce_pp estimators only"),
+        (["algo.kl_target=0.02"], "algo.kl_target: read by the reinforce_pp and gae estimators only"),
         (["algo.estimator=reinforce_pp", "algo.kl_horizon=0"], "algo.kl_horizon"),
     ]:
         with pytest.raises(ConfigError, match=message):

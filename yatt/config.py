@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # algo.estimator's registered names (yatt/algos/estimators.py registers each; listed here so that
 # validating a config imports no torch: c10 reads its log level when torch is first imported).
-ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need rollout.n >= 2
-TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")  # their token stage: yatt/algos/token_advantages.py
+# their token stage runs once the logprobs (and values) exist: yatt/algos/token_advantages.py, yatt/algos/gae.py
+TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 
 
 class ConfigError(ValueError):
@@ -112,17 +113,21 @@ class AlgoConfig(_Section):
     estimator: str = Field("grpo",
         description="advantage estimator: grpo, dr_grpo (no std division), rloo (leave-one-out baseline), "
                     "reinforce_pp (KL-shaped token rewards, discounted returns whitened over the step), "
-                    "reinforce_pp_baseline (the same on rewards minus their group mean), or "
+                    "reinforce_pp_baseline (the same on rewards minus their group mean), gae (PPO: GAE over the "
+                    "critic's values; needs critic.enabled), or "
                     "'package.module:function' (rewards [G, n] -> advantages [G, n]; yatt/algos/estimators.py)")
     kl_in_reward: float = Field(0.0, ge=0,
-        description="reinforce_pp estimators only: KL coefficient beta of the token rewards r_t = -beta * KL_t "
-                    "(+ the score at the last token; > 0 loads the reference model)")
+        description="reinforce_pp and gae estimators only: KL coefficient beta of the token rewards "
+                    "r_t = -beta * KL_t (+ the score at the last token; > 0 loads the reference model)")
     kl_target: float = Field(0.0, ge=0,
-        description="reinforce_pp estimators only: per-token KL (nats) that adapts the kl_in_reward coefficient "
-                    "after each step (Ziegler et al. 2019; yatt/algos/kl_control.py); 0 keeps it fixed")
+        description="reinforce_pp and gae estimators only: per-token KL (nats) that adapts the kl_in_reward "
+                    "coefficient after each step (Ziegler et al. 2019; yatt/algos/kl_control.py); 0 keeps it fixed")
     kl_horizon: int = Field(10000, gt=0,
         description="with kl_target: samples over which the adaptive KL coefficient makes a full correction")
-    gamma: float = Field(1.0, gt=0, le=1, description="reinforce_pp estimators only: discount of the token returns")
+    gamma: float = Field(1.0, gt=0, le=1,
+        description="reinforce_pp and gae estimators only: discount of the token returns")
+    lam: float = Field(0.95, ge=0, le=1,
+        description="gae only: GAE's lambda (0: one-step TD advantages, 1: Monte Carlo returns minus values)")
     norm_adv_by_std: bool = Field(True,
         description="estimator grpo only: divide group-centred rewards by the group's std (false: dr_grpo's form)")
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo"] = Field("ppo_clip",
@@ -145,6 +150,27 @@ class AlgoConfig(_Section):
         description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the "
                     "step has trainer.prompts_per_rank * world groups")
     max_sampling_rounds: int = Field(2, ge=0, description="dynamic sampling: extra rounds per step at most")
+
+
+class CriticConfig(_Section):
+    """PPO's value model (:class:`yatt.trainer.critic.MegatronCritic`): the policy's architecture
+    with a scalar head, on the actor's TP x PP x DP layout, with its own AdamW and schedule; trained
+    after the actor in every step on the clipped value loss (yatt/algos/gae.py)."""
+
+    enabled: bool = Field(False, description="train a critic (algo.estimator=gae needs it; no other estimator reads it)")
+    model: str | None = Field(None,
+        description="HF folder or packaged model the critic starts from: a causal LM (its value head starts at 0) "
+                    "or a sequence-classification model with one label (its score head). Default: model.path")
+    lr: float = Field(1e-5, gt=0, description="peak learning rate of the critic (AdamW)")
+    min_lr: float = Field(0.0, ge=0, description="the critic's learning rate at the end of the cosine decay")
+    warmup_steps: int = Field(0, ge=0, description="the critic's optimizer steps of linear LR warmup")
+    weight_decay: float = Field(0.0, ge=0, description="the critic's AdamW weight decay")
+    clip_grad: float = Field(1.0, gt=0, description="the critic's global grad-norm clipping threshold")
+    value_clip: float = Field(0.5, ge=0,
+        description="clipped value loss: a value moves at most this far from the step's old value in the clipped "
+                    "branch (0: unclipped squared error)")
+    freeze_actor_steps: int = Field(0, ge=0,
+        description="critic-only warm-up: the first N steps train the critic alone (the policy is not updated)")
 
 
 class BalanceConfig(_Section):
@@ -255,6 +281,7 @@ class Config(_Section):
         description="where rollout, GenRM and training run")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="the RL algorithm")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Megatron-Core training")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO's value model (algo.estimator=gae)")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
         description="async checkpoints and save points")
@@ -295,14 +322,29 @@ class Config(_Section):
                 ("seq_clip_ratio_high", "algo.policy_loss=gspo", a.policy_loss == "gspo"),
                 ("clip_ratio_low", "algo.policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
                 ("clip_ratio_high", "algo.policy_loss ppo_clip or dual_clip", a.policy_loss != "gspo"),
-                ("kl_in_reward", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS),
-                ("kl_target", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS),
-                ("kl_horizon", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS),
-                ("gamma", "the reinforce_pp estimators", est in TOKEN_ESTIMATORS))
+                ("kl_in_reward", "the reinforce_pp and gae estimators", est in TOKEN_ESTIMATORS),
+                ("kl_target", "the reinforce_pp and gae estimators", est in TOKEN_ESTIMATORS),
+                ("kl_horizon", "the reinforce_pp and gae estimators", est in TOKEN_ESTIMATORS),
+                ("gamma", "the reinforce_pp and gae estimators", est in TOKEN_ESTIMATORS),
+                ("lam", "algo.estimator=gae", est == "gae"))
         for key, reader, read in only:
             if not read and getattr(a, key) != type(a).model_fields[key].default:  # meant for another algorithm
                 raise ValueError(f"algo.{key}: read by {reader} only, not policy_loss={a.policy_loss}, "
                                  f"estimator={est}")
+        c = self.critic
+        if est == "gae" and not c.enabled:
+            raise ValueError("algo.estimator: gae needs the critic's values; set critic.enabled=true")
+        if c.enabled and est != "gae":
+            raise ValueError(f"critic.enabled: only algo.estimator=gae reads a critic's values, not estimator={est} "
+                             "(a group estimator's baseline is the group's own rewards)")
+        if not c.enabled and (set_keys := sorted(c.model_fields_set - {"enabled"})):
+            raise ValueError(f"critic.{set_keys[0]}: the critic is off (critic.enabled=false); set it with "
+                             "algo.estimator=gae and critic.enabled=true")
+        if c.lr < c.min_lr:
+            raise ValueError("critic.min_lr: must not exceed critic.lr")
+        if c.freeze_actor_steps >= self.trainer.total_steps and c.enabled:
+            raise ValueError(f"critic.freeze_actor_steps: {c.freeze_actor_steps} critic-only steps leave none of "
+                             f"trainer.total_steps={self.trainer.total_steps} to train the policy")
         if a.kl_target > 0 and a.kl_in_reward == 0:
             raise ValueError("algo.kl_target: adapts the coefficient algo.kl_in_reward, which is 0 (no KL penalty); "
                              "set algo.kl_in_reward > 0 as its starting value")

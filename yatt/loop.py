@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from yatt.algos.estimators import estimator_for
+from yatt.algos.estimators import estimator_for, group_informative
 from yatt.algos.guard import StabilityGuard
 from yatt.algos.kl_control import KLController
-from yatt.algos.update import compute_logprobs, finish_advantages, make_mini_batches, policy_update
+from yatt.algos.update import (compute_logprobs, compute_values, critic_update, finish_advantages, make_mini_batches,
+                               policy_update)
 from yatt.assets.data import load_prompts
 from yatt.assets.model import resolve_model
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints, StatsPart
@@ -78,8 +79,10 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
 
     from yatt.rollout.vllm_engine import SamplingSpec, VLLMEngine
     from yatt.trainer.actor import MegatronPolicy, OptimConfig, init_parallel_state
+    from yatt.trainer.critic import MegatronCritic
 
     model_path = _resolve_model_once(cfg.model.path, info)
+    critic_path = _resolve_model_once(cfg.critic.model, info) if cfg.critic.model else model_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.type != "rule" else None
     bars = info.rank == 0 and cfg.log.progress  # progress bars on rank 0
@@ -104,19 +107,28 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
                         adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
     dtype = getattr(torch, cfg.model.dtype)
     init_parallel_state(t.tp, t.pp)  # collective, also on ranks that never train
-    actor = ref = None
+    actor = ref = critic = None
     if placement.trains:
         actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group)
         ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
                if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 else None)
+        if cfg.critic.enabled:
+            c = cfg.critic
+            critic_optim = OptimConfig(lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=t.adam_beta1,
+                                       adam_beta2=t.adam_beta2, clip_grad=c.clip_grad, warmup_steps=c.warmup_steps,
+                                       total_steps=optim_steps)
+            critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=critic_optim, dtype=dtype,
+                                    dp_group=placement.train_group)
     mp_group, dp_group = _groups()
     dp_group = placement.train_group or dp_group
     balancer = DpBalancer(t.balance, t.micro_batch_tokens, dp_group) if placement.trains and t.balance.enabled else None
     g = t.guard
     guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled else None
-    sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds)
-               if cfg.algo.dynamic_sampling else None)
+    critic_guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled and critic else None
     estimator = estimator_for(cfg.algo.estimator, cfg.algo.norm_adv_by_std)
+    sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, cfg.algo.max_sampling_rounds,
+                              keep=lambda rewards: group_informative(cfg.algo.estimator, estimator, rewards))
+               if cfg.algo.dynamic_sampling else None)
     kl_ctrl = (KLController(cfg.algo.kl_in_reward, cfg.algo.kl_target, cfg.algo.kl_horizon)
                if cfg.algo.kl_target > 0 else None)  # the adaptive KL-in-reward coefficient (a fixed one has no state)
     phase = watchdog.phase if watchdog is not None else lambda name, step: None
@@ -124,9 +136,12 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
     placement.start()
     ckpt = RunCheckpoints(cfg, info.rank, actor, _dp_rank(placement.train_group),
                           parts={"shard": shard, "data_stats": StatsPart(train_rows.stats), "guard": guard,
-                                 "sampler": sampler, "placement": placement, "kl_ctrl": kl_ctrl},
+                                 "critic_guard": critic_guard, "sampler": sampler, "placement": placement,
+                                 "kl_ctrl": kl_ctrl},
                           meta={"world": info.world_size, "tp": t.tp, "pp": t.pp, "dtype": cfg.model.dtype,
-                                "model_path": str(model_path), "config": cfg.model_dump()})
+                                "model_path": str(model_path), "config": cfg.model_dump(),
+                                **({"critic_model_path": str(critic_path)} if cfg.critic.enabled else {})},
+                          critic=critic)
     with _closing_on_stop(placement):  # a damaged checkpoint stops every rank here, named
         start = ckpt.resume()  # 0: a fresh run
         _stop_if_signalled(ckpt, start)  # a signal while models and engines loaded
@@ -185,10 +200,17 @@ def _run(cfg: Config, info: RankInfo, watchdog) -> list[dict]:
                 mini_batches = _mini_batches(samples, balancer, cfg, tokenizer.pad_token_id, sums)
             with timer("logprob"):
                 logprob_sums = compute_logprobs(actor, ref, mini_batches, cfg.algo.recompute_old_logprobs)
-                sums.update(finish_advantages(mini_batches, cfg.algo, dp_group, kl_ctrl))  # token-level (REINFORCE++)
-            with timer("train"):
-                sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard, cfg.rollout.max_tokens))
-            if t.guard.action == "rollback" and sums["guard_skipped_updates"][0]:
+                if critic is not None:
+                    compute_values(critic, mini_batches)
+                sums.update(finish_advantages(mini_batches, cfg.algo, dp_group, kl_ctrl))  # token-level (REINFORCE++, GAE)
+            if step > cfg.critic.freeze_actor_steps:  # 0 unless a critic warms up alone
+                with timer("train"):
+                    sums.update(policy_update(actor, mini_batches, cfg.algo, dp_group, guard, cfg.rollout.max_tokens))
+            if critic is not None:
+                with timer("critic"):
+                    sums.update(critic_update(critic, mini_batches, cfg.critic, cfg.algo.ppo_epochs, dp_group,
+                                              critic_guard))
+            if t.guard.action == "rollback" and sums.get("guard_skipped_updates", (0.0,))[0]:
                 sums["guard_rollbacks"] = (float(ckpt.rollback()), 1.0)
             sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
         sums["data_rows_skipped"] = (float(sum(train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
@@ -366,13 +388,17 @@ def _eval_record(step, placement, actor, rows, reward_fn, tokenizer, cfg: Config
 
 
 def _line(r: dict) -> str:
+    def v(key: str, fmt: str) -> str:  # "-": not measured this step (e.g. the actor frozen while the critic warms up)
+        return format(r[key], fmt) if key in r else "-"
+
     genrm = f" genrm {r['reward_genrm_mean']:.3f} unparsable {r['genrm_unparsable']:.0f}" if "reward_genrm_mean" in r else ""
+    critic = f" | vloss {r['value_loss']:.4f} ev {r['explained_variance']:.3f}" if "value_loss" in r else ""
     phases = " ".join(f"{name} {r[f'time_{key}_s']:.1f}" for name, key in _PHASES if f"time_{key}_s" in r)
-    return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f}{genrm} | kl {r['kl']:.4f} "
-            f"ent {r['entropy']:.3f} clip {r['clip_frac']:.3f} gnorm {r['grad_norm']:.3f} | len {r['response_len_mean']:.1f} "
-            f"| lpdiff {r['logprob_diff_rollout_vs_train']:.1e} | {r['time_step_s']:.1f}s ({phases} "
-            f"idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
+    return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f}{genrm} | kl {v('kl', '.4f')} "
+            f"ent {v('entropy', '.3f')} clip {v('clip_frac', '.3f')} gnorm {v('grad_norm', '.3f')}{critic} "
+            f"| len {r['response_len_mean']:.1f} | lpdiff {v('logprob_diff_rollout_vs_train', '.1e')} | "
+            f"{r['time_step_s']:.1f}s ({phases} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
 
 
-_PHASES = (("roll", "rollout"), ("genrm", "genrm"), ("lp", "logprob"), ("train", "train"), ("sync", "sync"),
-           ("engines", "engines"))
+_PHASES = (("roll", "rollout"), ("genrm", "genrm"), ("lp", "logprob"), ("train", "train"), ("critic", "critic"),
+           ("sync", "sync"), ("engines", "engines"))

@@ -8,18 +8,19 @@ estimator here gives it exactly 0 (which is what DAPO dynamic sampling filters o
 Registered: ``grpo`` (Shao et al. 2024), ``dr_grpo`` (Liu et al. 2025), ``rloo`` (Ahmadian et al.
 2024). ``algo.estimator=package.module:function`` loads a user's function with the same contract.
 ``reinforce_pp`` and ``reinforce_pp_baseline`` (Hu 2025) register their outcome stage here (the
-score, or the score minus its group mean); their token-level advantages come later, from
-:mod:`yatt.algos.token_advantages`, once the reference logprobs exist. GAE over critic values is
-not built yet.
+score, or the score minus its group mean), and ``gae`` (Schulman et al. 2016) the score; their
+token-level advantages come later, from :mod:`yatt.algos.token_advantages` and
+:mod:`yatt.algos.gae`, once the reference logprobs and the critic's values exist.
 """
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from yatt.algos.grpo import group_advantages
+from yatt.config import GROUP_RELATIVE, TOKEN_ESTIMATORS
 
 Estimator = Callable[[torch.Tensor], torch.Tensor]
 ESTIMATORS: dict[str, Estimator] = {}
@@ -87,12 +88,14 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     return group_advantages(rewards, norm_by_std=False) * (n / (n - 1))
 
 
+@register("gae")
 @register("reinforce_pp")
 def reinforce_pp(rewards: torch.Tensor) -> torch.Tensor:
-    """REINFORCE++'s outcome stage: the score itself, ``r_i`` (Hu 2025, "REINFORCE++", sec. 3).
-    Its advantages are token-level, made once the reference logprobs exist:
-    :func:`yatt.algos.token_advantages.reinforce_pp_advantages` (KL-shaped token rewards,
-    discounted returns, whitening over the step). Not an advantage: equal rewards are not 0.
+    """The outcome stage of REINFORCE++ (Hu 2025, "REINFORCE++", sec. 3) and of PPO's GAE: the
+    score itself, ``r_i``. Their advantages are token-level, made once the reference logprobs
+    (and the critic's values) exist: :func:`yatt.algos.token_advantages.reinforce_pp_advantages`
+    (KL-shaped token rewards, discounted returns, whitening over the step) and
+    :func:`yatt.algos.gae.gae_advantages`. Not an advantage: equal rewards are not 0.
 
     Args:
         rewards: float ``[G, n]``.
@@ -142,6 +145,24 @@ def estimator_for(name: str, norm_adv_by_std: bool = True) -> Estimator:
     """The function of ``algo.estimator`` (``grpo`` with ``algo.norm_adv_by_std: false`` is
     Dr. GRPO's advantage). Raises as :func:`get_estimator`."""
     return dr_grpo if name == "grpo" and not norm_adv_by_std else get_estimator(name)
+
+
+def group_informative(name: str, estimator: Estimator, rewards: Sequence[float]) -> bool:
+    """Whether a group of ``n`` scored responses can move the policy under ``algo.estimator=name``
+    (DAPO dynamic sampling keeps only such groups). Without a group baseline a group always can
+    (``reinforce_pp`` whitens the scores over the whole step, ``gae`` subtracts the critic's
+    values: equal scores still get non-zero advantages); otherwise when its outcome-stage
+    advantages are not all zero (for ``grpo``, ``dr_grpo``, ``rloo`` and ``reinforce_pp_baseline``:
+    when its rewards are not all equal; the whitening's shift of a tied group is not its signal).
+
+    Args:
+        name: ``algo.estimator``. estimator: its function. rewards: the group's ``n`` scores.
+    """
+    if name in TOKEN_ESTIMATORS and name not in GROUP_RELATIVE:
+        return len(rewards) > 0
+    if not len(rewards):
+        return False
+    return bool(advantages(estimator, torch.tensor([list(rewards)], dtype=torch.float32)).ne(0).any())
 
 
 def advantages(estimator: Estimator, rewards: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""The actor's loss over one micro-batch, in the form the trainer's ``train_step`` expects."""
+"""The actor's and the critic's losses over one micro-batch, in the form the trainer's
+``train_step`` expects."""
 from __future__ import annotations
 
 import torch
 
+from yatt.algos.gae import clipped_value_loss
 from yatt.algos.grpo import kl_penalty, masked_sum
-from yatt.algos.policy_loss import LOSS_AGGS, POLICY_LOSSES, LossNorm
+from yatt.algos.policy_loss import LOSS_AGGS, POLICY_LOSSES, LossNorm, token_mean
 from yatt.config import AlgoConfig
 
 
@@ -50,4 +52,27 @@ class PolicyLoss:
             if self.on_policy:
                 stats["logprob_diff_rollout_vs_train"] = masked_sum((logprobs - mb["rollout_logprobs"]).abs(), mask)
                 stats["diff_tokens"] = mask.sum()
+        return loss, stats
+
+
+class ValueLoss:
+    """The critic's loss: ``token_mean`` of :func:`~yatt.algos.gae.clipped_value_loss` (clip
+    ``value_clip``; 0: unclipped), normalised by ``norm``, the response tokens of the whole
+    mini-batch across micro-batches and DP ranks.
+
+    Micro-batch keys read: ``response_mask``, ``values`` (before this step's updates) and
+    ``returns`` ``[B, T]``. Stats returned are sums over response tokens: ``value_loss``,
+    ``value_clip_frac``, ``tokens``.
+    """
+
+    def __init__(self, value_clip: float, norm: LossNorm):
+        self.clip, self.norm = value_clip or None, norm
+
+    def __call__(self, values: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+        mask = mb["response_mask"]
+        terms = clipped_value_loss(values, mb["values"], mb["returns"], self.clip)
+        loss = token_mean(terms.loss, mask, self.norm)
+        with torch.no_grad():
+            stats = {"value_loss": masked_sum(terms.loss, mask), "value_clip_frac": masked_sum(terms.clipped.float(), mask),
+                     "tokens": mask.sum()}
         return loss, stats

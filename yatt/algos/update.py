@@ -1,4 +1,5 @@
-"""The policy update of one RL step: old/ref logprobs, then clipped updates per mini-batch.
+"""The update of one RL step: old/ref logprobs and values, the token-level advantages, then
+clipped updates of the policy and the critic per mini-batch.
 
 Every data-parallel rank calls :func:`compute_logprobs` and :func:`policy_update` with its own
 samples; the number of optimizer steps (``ppo_epochs * mini_batches``) is the same on all
@@ -9,12 +10,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from yatt.algos.gae import gae_advantages
 from yatt.algos.kl_control import KLController
-from yatt.algos.loss import PolicyLoss
+from yatt.algos.loss import PolicyLoss, ValueLoss
 from yatt.algos.policy_loss import LossNorm
-from yatt.algos.token_advantages import reinforce_pp_advantages
+from yatt.algos.token_advantages import reinforce_pp_advantages, whitening_moments
 from yatt.balance import split_micro_batches
-from yatt.config import TOKEN_ESTIMATORS, AlgoConfig
+from yatt.config import TOKEN_ESTIMATORS, AlgoConfig, CriticConfig
 from yatt.controller.batch import Sample, pack_micro_batches
 
 
@@ -73,28 +75,44 @@ def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: 
     return sums
 
 
+def compute_values(critic, mini_batches: list[list[dict]]) -> None:
+    """Fill the critic's ``values`` ``[B, T]`` (before this step's updates) into every micro-batch."""
+    flat = [mb for mbs in mini_batches for mb in mbs]
+    for mb, values in zip(flat, critic.compute_values(flat)):
+        mb["values"] = values
+
+
 def finish_advantages(mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None,
                       kl_ctrl: KLController | None = None) -> dict[str, tuple[float, float]]:
-    """The token stage of ``cfg.estimator`` once the old and reference logprobs exist (collective
-    over ``dp_group``): REINFORCE++'s advantages ``[B, T]``
-    (:func:`~yatt.algos.token_advantages.reinforce_pp_advantages`, whitened over every mini-batch
-    and DP rank of the step); nothing for an outcome estimator, whose ``[B, 1]`` advantage is final.
+    """The token stage of ``cfg.estimator`` once the old and reference logprobs (and the critic's
+    values) exist (collective over ``dp_group``): REINFORCE++'s advantages ``[B, T]``
+    (:func:`~yatt.algos.token_advantages.reinforce_pp_advantages`) or GAE's with the critic's
+    ``returns`` (:func:`~yatt.algos.gae.gae_advantages`), whitened over every mini-batch and DP
+    rank of the step; nothing for an outcome estimator, whose ``[B, 1]`` advantage is final.
 
     With a KL penalty in the rewards (``cfg.kl_in_reward > 0``) its coefficient is ``kl_ctrl``'s
     (:class:`~yatt.algos.kl_control.KLController`; None: fixed at ``cfg.kl_in_reward``), and the
     step's KL over the DP ranks (one all-reduce) adapts it for the next step.
 
     Returns:
-        metric sums ``{name: (sum, count)}``: ``reward_kl`` (per-token k1 KL of the old to the
-        reference logprobs) and ``kl_coef_current`` (the beta this step used); ``{}`` otherwise.
+        metric sums ``{name: (sum, count)}``: with a KL penalty ``reward_kl`` (per-token k1 KL of
+        the old to the reference logprobs) and ``kl_coef_current`` (the beta this step used);
+        with ``gae`` ``values_mean``, ``returns_mean`` (over response tokens) and
+        ``explained_variance`` (``1 - Var(R - V) / Var(R)`` over the step's response tokens: how
+        much of the returns the old values explain); ``{}`` for an outcome estimator.
     """
     if cfg.estimator not in TOKEN_ESTIMATORS:
         return {}
     flat = [mb for mbs in mini_batches for mb in mbs]
     beta = kl_ctrl.value if kl_ctrl is not None else cfg.kl_in_reward
-    reinforce_pp_advantages(flat, beta, cfg.gamma, dp_group)
+    sums = {}
+    if cfg.estimator == "gae":
+        gae_advantages(flat, beta, cfg.gamma, cfg.lam, dp_group)
+        sums = _value_sums(flat, dp_group)
+    else:
+        reinforce_pp_advantages(flat, beta, cfg.gamma, dp_group)
     if cfg.kl_in_reward == 0:
-        return {}
+        return sums
     acc = torch.zeros(3, dtype=torch.float64)  # KL sum, response tokens, samples
     for mb in flat:
         mask = mb["response_mask"].to(torch.float64)
@@ -105,7 +123,19 @@ def finish_advantages(mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=
         dist.all_reduce(acc, group=dp_group)
     if kl_ctrl is not None:
         kl_ctrl.update(float(acc[0] / acc[1]) if acc[1] > 0 else 0.0, int(acc[2]))
-    return {"reward_kl": (local[0], local[1]), "kl_coef_current": (beta, 1.0)}
+    return {**sums, "reward_kl": (local[0], local[1]), "kl_coef_current": (beta, 1.0)}
+
+
+def _value_sums(micro_batches: list[dict], dp_group=None) -> dict[str, tuple[float, float]]:
+    """``values_mean`` and ``returns_mean`` (this rank's sums) and ``explained_variance`` (over
+    every DP rank: two all-reduces of moments) of micro-batches holding ``values`` and ``returns``."""
+    masks = [mb["response_mask"] for mb in micro_batches]
+    _, std_r = whitening_moments([mb["returns"] for mb in micro_batches], masks, dp_group)
+    _, std_d = whitening_moments([mb["returns"] - mb["values"] for mb in micro_batches], masks, dp_group)
+    tokens = float(sum(m.sum() for m in masks))
+    return {"values_mean": (float(sum((mb["values"] * mb["response_mask"]).sum() for mb in micro_batches)), tokens),
+            "returns_mean": (float(sum((mb["returns"] * mb["response_mask"]).sum() for mb in micro_batches)), tokens),
+            "explained_variance": (1.0 - std_d ** 2 / (std_r ** 2 + 1e-8), 1.0)}
 
 
 def mini_batch_norm(micro_batches: list[dict], max_tokens: int, dp_group=None) -> LossNorm:
@@ -158,4 +188,39 @@ def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_gro
     result["guard_skipped_updates"] = (float(skipped), 1.0)
     if cfg.kl_coef == 0:
         result["kl"] = result["ppo_kl"]
+    if cfg.entropy_coef > 0:  # the bonus's size in the loss: entropy_coef * entropy (token mean)
+        result["entropy_bonus"] = (cfg.entropy_coef * result["entropy"][0], result["entropy"][1])
     return result
+
+
+def critic_update(critic, mini_batches: list[list[dict]], cfg: CriticConfig, ppo_epochs: int, dp_group=None,
+                  guard=None) -> dict[str, tuple[float, float]]:
+    """Train the critic on the step's ``returns`` after the actor's update: ``ppo_epochs`` passes of
+    one optimizer step per mini-batch on :class:`~yatt.algos.loss.ValueLoss` (clip
+    ``cfg.value_clip``), normalised by the mini-batch's response tokens over ``dp_group``.
+
+    Args:
+        critic: this rank's :class:`~yatt.trainer.critic.MegatronCritic`.
+        mini_batches: the actor's micro-batches per mini-batch, with ``values`` and ``returns``.
+        guard: optional ``(grad norm) -> skip?``, the critic's own stability guard.
+    Returns:
+        (sum, count) pairs: token means of ``value_loss`` and ``value_clip_frac``;
+        ``critic_grad_norm`` and ``critic_lr`` averaged over the applied optimizer steps;
+        ``critic_guard_skipped_updates``.
+    """
+    totals: dict[str, float] = {}
+    steps = skipped = 0
+    for _ in range(ppo_epochs):
+        for mbs in mini_batches:
+            out = critic.train_step(mbs, ValueLoss(cfg.value_clip, mini_batch_norm(mbs, 1, dp_group)), guard)
+            if out.pop("update_skipped", 0.0):
+                skipped += 1
+                continue
+            for k, v in out.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+            steps += 1
+    tokens = totals.get("tokens", 0.0)
+    return {"value_loss": (totals.get("value_loss", 0.0), tokens),
+            "value_clip_frac": (totals.get("value_clip_frac", 0.0), tokens),
+            "critic_grad_norm": (totals.get("grad_norm", 0.0), steps), "critic_lr": (totals.get("lr", 0.0), steps),
+            "critic_guard_skipped_updates": (float(skipped), 1.0)}

@@ -1,7 +1,8 @@
 """The step loop's checkpoints: what a rank saves, resuming from it, save points, rollback.
 
 A checkpoint holds everything that makes step ``k + 1`` of a resumed run equal to step
-``k + 1`` of an uninterrupted one: the policy shard (model, optimizer, LR scheduler), every
+``k + 1`` of an uninterrupted one: the policy shard (model, optimizer, LR scheduler) and the
+critic's when PPO trains one (files keyed by role), every
 rank's RNG states (Python, NumPy, torch, CUDA), its controller shard's data position and
 bad-row counters, the stability guard's history, the dynamic sampler's counter and the
 placement's split search. Rollout seeds are derived from (seed, step, rank, round), so they
@@ -88,11 +89,13 @@ class RunCheckpoints:
         parts: ``name -> object with state_dict()/load_state_dict()`` saved per rank (the
             controller shard, the guard, ...); None entries are skipped.
         meta: run facts for ``meta.json`` (base model path, sizes, config).
+        critic: this rank's critic (:class:`~yatt.trainer.critic.MegatronCritic`) or None; its
+            shard is saved, resumed and rolled back beside the actor's (files ``critic_tp{t}_pp{p}``).
     """
 
-    def __init__(self, cfg, rank: int, actor, dp_rank: int, parts: dict, meta: dict) -> None:
+    def __init__(self, cfg, rank: int, actor, dp_rank: int, parts: dict, meta: dict, critic=None) -> None:
         c = cfg.checkpoint
-        self.cfg, self.rank, self.actor, self.meta = cfg, rank, actor, meta
+        self.cfg, self.rank, self.actor, self.critic, self.meta = cfg, rank, actor, critic, meta
         self.parts = {k: v for k, v in parts.items() if v is not None}
         self.root = files.checkpoint_root(cfg)
         self.model_key = None
@@ -148,23 +151,28 @@ class RunCheckpoints:
         return int(meta["step"])
 
     def _load_policy(self, folder: Path) -> None:
+        """Load the actor's (and the critic's) model, optimizer and LR schedule from ``folder``."""
         if self.actor is None:
             return
-        self.actor.module.load_state_dict(load_part(folder, "model", self.load_key))
-        optim = load_part(folder, "optim", self.load_key)
-        self.actor.optimizer.load_state_dict(optim["optimizer"])
-        self.actor.scheduler.num_steps = 0  # Megatron's load_state_dict steps forward by the saved count
-        self.actor.scheduler.load_state_dict(optim["scheduler"])
+        models = [(self.actor, self.load_key)] + ([(self.critic, f"critic_{self.load_key}")] if self.critic else [])
+        for model, key in models:
+            model.module.load_state_dict(load_part(folder, "model", key))
+            optim = load_part(folder, "optim", key)
+            model.optimizer.load_state_dict(optim["optimizer"])
+            model.scheduler.num_steps = 0  # Megatron's load_state_dict steps forward by the saved count
+            model.scheduler.load_state_dict(optim["scheduler"])
 
     # ------------------------------------------------------------------ save points
     def save(self, step: int) -> None:
         """Snapshot this rank's state for ``step`` and write it in the background (collective)."""
         model = optim = None
+        roles = {}
         if self.model_key is not None:
-            model = self.actor.module.state_dict()
-            optim = {"optimizer": self.actor.optimizer.state_dict(), "scheduler": self.actor.scheduler.state_dict()}
+            model, optim = _model_state(self.actor)
+            if self.critic is not None:
+                roles["critic"] = _model_state(self.critic)
         rank_state = {"rng": rng_state(), "parts": {k: v.state_dict() for k, v in self.parts.items()}}
-        self.saver.save(step, model, optim, rank_state, self.meta)
+        self.saver.save(step, model, optim, rank_state, self.meta, roles)
         self.triggers.saved()
 
     def step_end(self, step: int) -> str | None:
@@ -209,7 +217,7 @@ class RunCheckpoints:
 
     # ------------------------------------------------------------------ rollback
     def rollback(self) -> bool:
-        """Reload the policy (model, optimizer, scheduler) of the newest committed checkpoint.
+        """Reload the policy (model, optimizer, scheduler; the critic's too) of the newest committed checkpoint.
         Not collective (only trainers call it; they decide alike, from the same grad norm); a
         write still in flight is not waited for. Data position, RNG and counters go on.
         Returns False when there is none yet (the caller's skip stands)."""
@@ -221,6 +229,12 @@ class RunCheckpoints:
         self.rollbacks += 1
         log.warning("guard: rolled the policy back to %s", folder)
         return True
+
+
+def _model_state(model) -> tuple[dict, dict]:
+    """(model shard state dict, ``{"optimizer", "scheduler"}`` states) of a trained model."""
+    return model.module.state_dict(), {"optimizer": model.optimizer.state_dict(),
+                                       "scheduler": model.scheduler.state_dict()}
 
 
 @dataclasses.dataclass

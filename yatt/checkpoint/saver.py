@@ -163,12 +163,15 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier(group=group)
 
-    def save(self, step: int, model: dict | None, optim: dict | None, rank_state: dict, meta: dict) -> None:
+    def save(self, step: int, model: dict | None, optim: dict | None, rank_state: dict, meta: dict,
+             roles: dict[str, tuple[dict, dict]] | None = None) -> None:
         """Snapshot this rank's state for ``step`` and start writing it (collective).
 
         Args:
             model, optim: this rank's model shard state dict and ``{"optimizer", "scheduler"}``
                 states, or None (written only when ``model_key`` is set).
+            roles: other trained models' ``(model, optim)`` states by role (``{"critic": ...}``),
+                written as ``model/<role>_<model_key>.pt`` and ``optim/<role>_<model_key>.pt``.
             rank_state: small per-rank state (RNG, data position, counters), any picklable.
             meta: run facts for ``meta.json`` (rank 0's is written).
         Blocks only for a previous save still being written, and for the host copy. A save for
@@ -178,9 +181,10 @@ class Checkpointer:
         tmp = files.step_dir(self.root, step, tmp=True)
         jobs = [(copy.deepcopy(rank_state), tmp / "rank" / f"{self.rank:05d}.pt")]
         if self.model_key is not None:
-            host = self.snapshot.take({"model": model, "optim": optim})
-            jobs += [(host["model"], tmp / "model" / f"{self.model_key}.pt"),
-                     (host["optim"], tmp / "optim" / f"{self.model_key}.pt")]
+            keys = {self.model_key: (model, optim), **{f"{r}_{self.model_key}": v for r, v in (roles or {}).items()}}
+            host = self.snapshot.take({k: {"model": m, "optim": o} for k, (m, o) in keys.items()})
+            for key, parts in host.items():
+                jobs += [(parts["model"], tmp / "model" / f"{key}.pt"), (parts["optim"], tmp / "optim" / f"{key}.pt")]
         self._pending, self._error, self._written = (step, meta), None, {}
         needed = (self.snapshot.bytes if self.model_key is not None else 0) + (1 << 20)
         free = shutil.disk_usage(self.root).free

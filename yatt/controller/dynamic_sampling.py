@@ -1,7 +1,9 @@
 """DAPO dynamic sampling over the SPMD controller shards.
 
 A GRPO group whose rewards are all equal has zero advantage for every response: it costs a
-training pass and carries no gradient. Dynamic sampling (Q. Yu et al., "DAPO: An Open-Source LLM
+training pass and carries no gradient. Which groups carry none is the estimator's to say
+(:func:`yatt.algos.estimators.group_informative`: with ``reinforce_pp`` or ``gae`` every group
+carries some). Dynamic sampling (Q. Yu et al., "DAPO: An Open-Source LLM
 Reinforcement Learning System at Scale", 2025, section 3.2 and Algorithm 1) drops such groups and
 samples more prompts until the batch holds ``target`` informative groups. Here every rank filters
 its own groups; the ranks agree on whether to sample another round from one all-gather of their
@@ -21,7 +23,8 @@ log = logging.getLogger("yatt")
 
 
 def informative(rewards: Sequence[float]) -> bool:
-    """True when a group's rewards are not all equal (its GRPO advantages are not all zero)."""
+    """True when a group's rewards are not all equal (its GRPO advantages are not all zero): the
+    default test; a run asks its estimator (:func:`yatt.algos.estimators.group_informative`)."""
     return max(rewards) > min(rewards) if len(rewards) else False
 
 
@@ -51,10 +54,13 @@ class DynamicSampler:
         target: informative groups a step trains on, over all ranks (the step's prompt count).
         max_rounds: extra generation rounds per step at most (``algo.max_sampling_rounds``).
         group: process group of every rank that runs the step loop (None: the default group).
+        keep: ``rewards of one group -> bool``, whether the group can move the policy (the
+            algorithm's answer; default :func:`informative`).
     """
 
-    def __init__(self, target: int, max_rounds: int, group=None):
-        self.target, self.max_rounds, self.group = target, max_rounds, group
+    def __init__(self, target: int, max_rounds: int, group=None,
+                 keep: Callable[[Sequence[float]], bool] = informative):
+        self.target, self.max_rounds, self.group, self.keep = target, max_rounds, group, keep
         self.cap_hits = 0  # steps so far that trained on a smaller batch
 
     def fill(self, groups: list, rewards: list[list[float]], draw: Callable[[int], tuple[list, list[list[float]]]]
@@ -80,7 +86,7 @@ class DynamicSampler:
         kept, dropped, rounds = [], 0, 0
         while True:
             for g, r in zip(groups, rewards):
-                if informative(r):
+                if self.keep(r):
                     kept.append((g, r))
                 else:
                     dropped += 1
