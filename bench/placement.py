@@ -18,14 +18,9 @@ is printed beside it.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from timing import run_job
 MODES = ("colocate", "partial_colocate", "disaggregated")
 COLUMNS = ("time_rollout_s", "time_genrm_s", "time_rollout_genrm_s", "time_engines_s", "time_sync_s",
            "time_logprob_s", "time_train_s", "idle_s", "time_step_s")
@@ -33,18 +28,9 @@ COLUMNS = ("time_rollout_s", "time_genrm_s", "time_rollout_genrm_s", "time_engin
 
 def run_mode(mode: str, args, extra: list[str]) -> tuple[list[dict], float]:
     out = Path(args.out) / mode
-    cmd = [str(Path(sys.prefix) / "bin" / "mpirun"), "-np", str(args.np), sys.executable, "-m", "yatt.launch",
-           "--config", args.config, f"placement.mode={mode}", f"trainer.total_steps={args.steps}",
-           f"output_dir={out}", "overwrite=true", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    print("+", " ".join(cmd[3:]), flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"{mode} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    with open(out / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records, wall = run_job(args.np, ["--config", args.config, f"placement.mode={mode}",
+                                      f"trainer.total_steps={args.steps}", f"output_dir={out}", "overwrite=true",
+                                      *extra], out, mode)
     return [r for r in records if "time_step_s" in r], wall
 
 
