@@ -69,27 +69,41 @@ _PACKAGED = {SMOLLM2: _smollm2_gguf, QWEN_CODER: _qwen_coder_gguf}
 
 
 @contextlib.contextmanager
-def _gguf_name_maps_built_once():
-    """transformers' GGUF loader asks gguf for its tensor-name map once per module it walks (397
-    times for SmolLM2: 9 s of a 16 s model load on the dev machine); the map depends only on the
-    architecture and the layer count, and the loader only reads it, so during a conversion each
-    map is built once."""
+def _gguf_parsed_once():
+    """During a conversion, parse the GGUF file once and build each tensor-name map once.
+
+    transformers' GGUF loader parses the whole file (``gguf.GGUFReader``: every metadata field,
+    the tokenizer's ~100k vocabulary and merge strings one by one) for the tokenizer, again for
+    the config and again for the weights: 3 x ~3 s of SmolLM2's conversion on the dev machine; the
+    reader memory-maps the file read-only and the loader only reads it, so one reader serves all
+    three. It also asks gguf for its tensor-name map once per module it walks (397 times for
+    SmolLM2: 9 s of a 16 s model load); the map depends only on the architecture and the layer
+    count, so each is built once."""
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    original_map, original_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_map)
+    readers: dict = {}
+
+    def reader(path, mode: str = "r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        gguf.get_tensor_name_map, gguf.GGUFReader = original_map, original_reader
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import torch
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with _gguf_name_maps_built_once():
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers 5.x refuses to save a model that still carries its GGUF quantizer.
     model.hf_quantizer = None
