@@ -20,9 +20,8 @@ import numpy as np
 import torch.distributed as dist
 from timing import median_time
 
-from yatt.algos.update import make_mini_batches
 from yatt.config import BalanceConfig
-from yatt.controller.batch import Sample, pack_micro_batches
+from yatt.controller.batch import Sample, make_mini_batches, pack_micro_batches
 from yatt.controller.rebalance import DpBalancer
 from yatt.dist import init_distributed
 

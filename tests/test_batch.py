@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from yatt.algos.update import make_mini_batches
-from yatt.controller.batch import Sample, make_samples, pack_micro_batches
+from yatt.algos.estimators import grpo, outcome_advantages
+from yatt.controller.batch import Sample, make_mini_batches, make_samples, pack_micro_batches
 
 EOS = PAD = 2
 
@@ -53,13 +53,15 @@ def test_make_samples_rewards_and_advantages():
     rows = [SimpleNamespace(prompt_ids=[1]), SimpleNamespace(prompt_ids=[3])]
     comp = lambda ids: SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
     completions = [[comp([7, EOS]), comp([8, EOS])], [comp([9]), comp([9, EOS])]]
-    samples = make_samples(rows, completions, [1.0, 0.0, 1.0, 1.0])  # GRPO by default
+    rewards = [1.0, 0.0, 1.0, 1.0]
+    samples = make_samples(rows, completions, rewards, outcome_advantages(grpo, [rewards[:2], rewards[2:]]))
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 1.0]
     assert samples[0].advantage > 0 > samples[1].advantage
     assert samples[2].advantage == samples[3].advantage == 0.0  # all-equal group
     assert samples[1].response_ids == [8, EOS] and samples[2].prompt_ids == [3]
-    with pytest.raises(ValueError, match="3 rewards for 4 samples"):
-        make_samples(rows, completions, [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="3 rewards and 4 advantages for 4 samples"):
+        make_samples(rows, completions, [1.0, 0.0, 1.0], [0.0] * 4)
+    assert outcome_advantages(grpo, []) == []
 
 
 def test_phase_timer_records_time_and_peak_memory():

@@ -242,7 +242,7 @@ def test_no_eval_rows_means_no_eval(tokenizer, tmp_path, caplog, overrides):
     is what the loop's ``evaluate_at`` reads to write no eval record, not an accuracy of 0."""
     from yatt.config import Config
     from yatt.dist import RankInfo
-    from yatt.loop import _load_data
+    from yatt.job import _load_data
 
     train = _write(tmp_path / "t.jsonl", GOOD[:4])
     cfg = Config(data=DataConfig(train_files=[train], **overrides), output_dir=str(tmp_path / "run"))

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from yatt.algos.grpo import clipped_policy_loss, group_advantages, kl_penalty, masked_sum, response_mask
+from yatt.algos.grpo import clipped_policy_loss, group_advantages, kl_penalty, masked_sum
+from yatt.controller.batch import response_mask
 
 
 def test_group_advantages_hand_computed():

@@ -61,7 +61,7 @@ def _response_logprobs(actor, samples, splits, pad_id):
 
 def _own_splits(samples, mini_batches: int, budget: int):
     """The micro-batches (index lists) the loop trains on without balancing."""
-    from yatt.algos.update import make_mini_batches
+    from yatt.controller.batch import make_mini_batches
 
     return [[mb["index"].tolist() for mb in mbs] for mbs in make_mini_batches(samples, mini_batches, budget, 0)]
 

@@ -20,10 +20,11 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from yatt.algos.update import compute_logprobs, make_mini_batches, policy_update
+    from yatt.algos.estimators import grpo, outcome_advantages
+    from yatt.algos.update import compute_logprobs, policy_update
     from yatt.assets.data import load_prompts
     from yatt.config import AlgoConfig, DataConfig
-    from yatt.controller.batch import make_samples
+    from yatt.controller.batch import make_mini_batches, make_samples
     from yatt.dist import init_distributed
     from yatt.rollout import SamplingSpec, VLLMEngine
     from yatt.trainer import MegatronPolicy, OptimConfig
@@ -40,7 +41,7 @@ def main() -> None:
     rows = rows[:2]
     completions = engine.generate([r.prompt_ids for r in rows], SamplingSpec(n=4, max_tokens=24, seed=11))
     rewards = [float(i % 2) for i in range(len(rows) * 4)]  # a guaranteed non-zero update
-    samples = make_samples(rows, completions, rewards)
+    samples = make_samples(rows, completions, rewards, outcome_advantages(grpo, [rewards[i:i + 4] for i in (0, 4)]))
     minis = make_mini_batches(samples, 2, 512, tok.pad_token_id)
 
     sums = compute_logprobs(actor, None, minis, recompute_old=True)

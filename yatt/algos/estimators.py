@@ -147,6 +147,14 @@ def estimator_for(name: str, norm_adv_by_std: bool = True) -> Estimator:
     return dr_grpo if name == "grpo" and not norm_adv_by_std else get_estimator(name)
 
 
+def outcome_advantages(estimator: Estimator, rewards: list[list[float]]) -> list[float]:
+    """The outcome stage of a step on the rank that owns its groups: ``G`` groups of ``n`` rewards
+    -> ``G * n`` advantages, prompt-major (checked as :func:`advantages`; ``[]`` for no group)."""
+    if not rewards:
+        return []
+    return advantages(estimator, torch.tensor(rewards, dtype=torch.float32)).flatten().tolist()
+
+
 def group_informative(name: str, estimator: Estimator, rewards: Sequence[float]) -> bool:
     """Whether a group of ``n`` scored responses can move the policy under ``algo.estimator=name``
     (DAPO dynamic sampling keeps only such groups). Without a group baseline a group always can

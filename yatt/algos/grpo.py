@@ -95,20 +95,3 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: f
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is set. Shapes ``[B, T]``; returns a 0-dim tensor."""
     return (values * mask).sum()
-
-
-def response_mask(prompt_lens: list[int], response_lens: list[int], total_len: int) -> torch.Tensor:
-    """Loss mask over right-padded ``prompt + response`` rows.
-
-    Position ``t`` of row ``b`` is set iff it holds a response token:
-    ``prompt_lens[b] <= t < prompt_lens[b] + response_lens[b]``. Built from lengths, never
-    from token ids, so an EOS at the end of a response is trained on, padding is excluded even
-    when pad id == EOS id, and a response cut at ``max_tokens`` (no EOS) is masked exactly.
-
-    Returns:
-        float32 ``[B, total_len]``.
-    """
-    pos = torch.arange(total_len).unsqueeze(0)
-    start = torch.tensor(prompt_lens).unsqueeze(1)
-    end = start + torch.tensor(response_lens).unsqueeze(1)
-    return ((pos >= start) & (pos < end)).to(torch.float32)

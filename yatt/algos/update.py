@@ -15,33 +15,7 @@ from yatt.algos.kl_control import KLController
 from yatt.algos.loss import PolicyLoss, ValueLoss
 from yatt.algos.policy_loss import LossNorm
 from yatt.algos.token_advantages import reinforce_pp_advantages, whitening_moments
-from yatt.balance import split_micro_batches
 from yatt.config import TOKEN_ESTIMATORS, AlgoConfig, CriticConfig
-from yatt.controller.batch import Sample, pack_micro_batches
-
-
-def mini_batch_bounds(n: int, mini_batches: int) -> list[int]:
-    """``mini_batches + 1`` bounds cutting ``n`` samples into contiguous, near-equal chunks (a chunk
-    is empty only when ``n < mini_batches``)."""
-    return [round(i * n / mini_batches) for i in range(mini_batches + 1)]
-
-
-def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: int, pad_id: int) -> list[list[dict]]:
-    """Split samples into ``mini_batches`` contiguous chunks, each split into micro-batches of at
-    most ``token_budget`` tokens (:func:`yatt.balance.split_micro_batches`) and packed.
-
-    Returns:
-        per mini-batch, its micro-batch dicts (:func:`~yatt.controller.batch.pack_micro_batches`;
-        ``index`` points into ``samples``).
-    Raises:
-        ValueError: fewer samples than mini-batches.
-    """
-    if len(samples) < mini_batches:
-        raise ValueError(f"{len(samples)} samples on this rank cannot fill algo.mini_batches={mini_batches}")
-    bounds = mini_batch_bounds(len(samples), mini_batches)
-    lengths = [s.length for s in samples]
-    return [pack_micro_batches(samples, [[a + i for i in g] for g in split_micro_batches(lengths[a:b], token_budget)],
-                               pad_id) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: bool = True) -> dict[str, tuple[float, float]]:

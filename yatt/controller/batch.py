@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yatt.algos.grpo import response_mask
+from yatt.balance import split_micro_batches
 from yatt.controller import wire
 
 
@@ -68,29 +68,65 @@ def pack_micro_batches(samples: list[Sample], groups, pad_id: int) -> list[dict]
     return out
 
 
-def make_samples(rows, completions, rewards: list[float], estimator=None) -> list[Sample]:
-    """Turn each prompt's ``n`` scored completions into samples with outcome advantages.
+def make_samples(rows, completions, rewards: list[float], advantages: list[float]) -> list[Sample]:
+    """Turn each prompt's ``n`` scored completions into samples.
 
     Args:
         rows: the step's :class:`~yatt.assets.data.PromptRow` list (``G`` prompts).
         completions: ``G`` lists of ``n`` engine completions (token ids, logprobs, finish reason).
-        rewards: ``G * n`` floats, prompt-major (``rewards[g * n + k]`` scores completion k of g).
-        estimator: ``[G, n] -> [G, n]`` advantages (:mod:`yatt.algos.estimators`; default GRPO).
+        rewards, advantages: ``G * n`` floats each, prompt-major (``rewards[g * n + k]`` scores
+            completion k of g): the scores and their outcome advantages
+            (:func:`yatt.algos.estimators.outcome_advantages`).
     Returns:
         ``G * n`` samples, prompt-major.
     Raises:
-        ValueError: the number of rewards is not ``G * n``; the estimator's output is not a
-            finite ``[G, n]`` tensor.
+        ValueError: the number of rewards or advantages is not ``G * n``.
     """
-    from yatt.algos.estimators import advantages, grpo
-
     samples = [Sample(row.prompt_ids, list(c.token_ids), list(c.logprobs), c.finish_reason)
                for row, group in zip(rows, completions) for c in group]
-    if len(rewards) != len(samples):
-        raise ValueError(f"{len(rewards)} rewards for {len(samples)} samples")
-    if samples:
-        n = len(completions[0])
-        adv = advantages(estimator or grpo, torch.tensor(rewards, dtype=torch.float32).view(-1, n)).flatten()
-        for s, r, a in zip(samples, rewards, adv.tolist()):
-            s.reward, s.advantage = float(r), a
+    if not len(rewards) == len(advantages) == len(samples):
+        raise ValueError(f"{len(rewards)} rewards and {len(advantages)} advantages for {len(samples)} samples")
+    for s, r, a in zip(samples, rewards, advantages):
+        s.reward, s.advantage = float(r), float(a)
     return samples
+
+
+def mini_batch_bounds(n: int, mini_batches: int) -> list[int]:
+    """``mini_batches + 1`` bounds cutting ``n`` samples into contiguous, near-equal chunks (a chunk
+    is empty only when ``n < mini_batches``)."""
+    return [round(i * n / mini_batches) for i in range(mini_batches + 1)]
+
+
+def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: int, pad_id: int) -> list[list[dict]]:
+    """Split samples into ``mini_batches`` contiguous chunks, each split into micro-batches of at
+    most ``token_budget`` tokens (:func:`yatt.balance.split_micro_batches`) and packed.
+
+    Returns:
+        per mini-batch, its micro-batch dicts (:func:`~yatt.controller.batch.pack_micro_batches`;
+        ``index`` points into ``samples``).
+    Raises:
+        ValueError: fewer samples than mini-batches.
+    """
+    if len(samples) < mini_batches:
+        raise ValueError(f"{len(samples)} samples on this rank cannot fill algo.mini_batches={mini_batches}")
+    bounds = mini_batch_bounds(len(samples), mini_batches)
+    lengths = [s.length for s in samples]
+    return [pack_micro_batches(samples, [[a + i for i in g] for g in split_micro_batches(lengths[a:b], token_budget)],
+                               pad_id) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def response_mask(prompt_lens: list[int], response_lens: list[int], total_len: int) -> torch.Tensor:
+    """Loss mask over right-padded ``prompt + response`` rows.
+
+    Position ``t`` of row ``b`` is set iff it holds a response token:
+    ``prompt_lens[b] <= t < prompt_lens[b] + response_lens[b]``. Built from lengths, never
+    from token ids, so an EOS at the end of a response is trained on, padding is excluded even
+    when pad id == EOS id, and a response cut at ``max_tokens`` (no EOS) is masked exactly.
+
+    Returns:
+        float32 ``[B, total_len]``.
+    """
+    pos = torch.arange(total_len).unsqueeze(0)
+    start = torch.tensor(prompt_lens).unsqueeze(1)
+    end = start + torch.tensor(response_lens).unsqueeze(1)
+    return ((pos >= start) & (pos < end)).to(torch.float32)

@@ -23,11 +23,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from yatt.algos.update import mini_batch_bounds
 from yatt.balance import DpPlan, dp_balance
 from yatt.config import BalanceConfig
 from yatt.controller import wire
-from yatt.controller.batch import Sample
+from yatt.controller.batch import Sample, mini_batch_bounds
 from yatt.dist import mpi_arrive, mpi_comm
 
 
@@ -118,7 +117,7 @@ class DpBalancer:
 
         Args:
             samples: this rank's samples (mini-batch ``m`` is the ``m``-th contiguous chunk, as in
-                :func:`yatt.algos.update.mini_batch_bounds`).
+                :func:`yatt.controller.batch.mini_batch_bounds`).
             mini_batches: optimizer steps per epoch, the same on every rank.
         Returns:
             :class:`Balanced`. Every mini-batch holds at least one sample on every rank: when a
