@@ -82,9 +82,9 @@ def main() -> None:
             "explained_variance_last5")
     print(f"\nworld {args.np}, {args.steps} steps each; s_per_step: mean over steps 2..{args.steps}; peak_gib: "
           "resident memory of the largest rank")
-    print(f"{'algo':<14}" + "".join(f"{c:>26}" for c in cols))
+    print(f"{'algo':<14}" + "".join(f"{c:>{len(c) + 2}}" for c in cols))
     for name, row in rows.items():
-        print(f"{name:<14}" + "".join(f"{row[c]:>26.3f}" for c in cols))
+        print(f"{name:<14}" + "".join(f"{row[c]:>{len(c) + 2}.3f}" for c in cols))
 
 
 if __name__ == "__main__":
