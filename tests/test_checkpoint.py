@@ -502,6 +502,11 @@ def test_synchronous_save_returns_committed(tmp_path):
     assert ck.committed == step_dir(tmp_path, 3) and find_latest(tmp_path) == step_dir(tmp_path, 3)
     assert not ck._thread.is_alive() and ck.poll() is None
     assert_same(load_part(ck.committed, "model", "tp0_pp0"), state["model"])
+    assert not ck.snapshot._buffers  # the live states were written: no host copy is kept (less memory)
+    critic = nested_state(5.0)  # another role's shard travels beside the model's
+    ck.save(4, state["model"], state["optim"], {"step": 4}, {"world": 1}, roles={"critic": (critic["model"], critic["optim"])})
+    assert_same(load_part(ck.committed, "model", "critic_tp0_pp0"), critic["model"])
+    assert_same(load_part(ck.committed, "optim", "critic_tp0_pp0"), critic["optim"])
 
 
 def test_retention_and_cleanup_through_the_checkpointer(tmp_path):

@@ -232,7 +232,9 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(2, gt=0, description="retention: keep the newest K checkpoints")
     keep_every: int = Field(0, ge=0,
         description="retention: also keep every checkpoint at a multiple of M steps (0: none)")
-    async_save: bool = Field(True, description="write in a background thread (false: the step waits for the write)")
+    async_save: bool = Field(True,
+        description="write in a background thread from a host copy of the model and optimizer states, kept for the "
+                    "next save (false: the step waits for the write, and no copy is held: less memory)")
 
 
 class FaultConfig(_Section):

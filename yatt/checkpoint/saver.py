@@ -95,6 +95,17 @@ class _Summing:
         self.f.flush()
 
 
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in a nested dict/list/tuple."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
 def _save(obj, path: Path) -> dict:
     """``torch.save`` to ``path``, fsynced; returns ``{"bytes", "crc32"}`` of what was written."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,13 +191,18 @@ class Checkpointer:
         self.wait()
         tmp = files.step_dir(self.root, step, tmp=True)
         jobs = [(copy.deepcopy(rank_state), tmp / "rank" / f"{self.rank:05d}.pt")]
+        needed = 1 << 20
         if self.model_key is not None:
             keys = {self.model_key: (model, optim), **{f"{r}_{self.model_key}": v for r, v in (roles or {}).items()}}
-            host = self.snapshot.take({k: {"model": m, "optim": o} for k, (m, o) in keys.items()})
-            for key, parts in host.items():
+            state = {k: {"model": m, "optim": o} for k, (m, o) in keys.items()}
+            if self.async_save:  # training goes on while the thread writes: it writes a host copy
+                state = self.snapshot.take(state)
+                needed += self.snapshot.bytes
+            else:  # save() returns after the write, so the live tensors are written: no copy held in memory
+                needed += _tensor_bytes(state)
+            for key, parts in state.items():
                 jobs += [(parts["model"], tmp / "model" / f"{key}.pt"), (parts["optim"], tmp / "optim" / f"{key}.pt")]
         self._pending, self._error, self._written = (step, meta), None, {}
-        needed = (self.snapshot.bytes if self.model_key is not None else 0) + (1 << 20)
         free = shutil.disk_usage(self.root).free
         if free < needed:  # checked before writing: a full disk must not cost the last good checkpoint
             self._error = _why(OSError(errno.ENOSPC, "not started: too little free space"), self.root, needed)
