@@ -103,7 +103,8 @@ ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward
                       "algo.kl_target=0.01", "algo.kl_horizon=8"],  # adaptive: 8 samples a step, a full correction
          "partial_colocate": ["algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean"],
          "disaggregated": ["algo.policy_loss=dual_clip", "algo.loss_agg=seq_mean_token_sum_norm",
-                           "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true"]}  # PPO's critic
+                           "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true",  # PPO's critic
+                           "algo.reward_norm=batch", "algo.reward_clip=5"]}  # whitened over the trainer subgroup
 CRITIC = ["value_loss", "value_clip_frac", "values_mean", "returns_mean", "explained_variance", "critic_grad_norm",
           "critic_lr", "entropy_bonus"]
 

@@ -62,3 +62,27 @@ def test_the_config_lists_the_registered_names_and_a_job_loads_a_users_function_
     with pytest.raises(ConfigError, match="algo.estimator: cannot load 'nosuchpkg.mod:fn'"):
         _check_estimator(cfg)
     _check_estimator(load_config(RECIPE, ["algo.estimator=test_estimators:centred_sign"]))
+
+
+def test_reward_normalisation_group_batch_and_clip():
+    from yatt.algos.reward_norm import normalize_rewards
+
+    rewards = [[1.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5], [3.0, 1.0, 2.0, 2.0]]
+    assert normalize_rewards(rewards, "none") == rewards
+    group = torch.tensor(normalize_rewards(rewards, "group"))
+    g0 = torch.tensor(rewards[0])
+    torch.testing.assert_close(group[0], ((g0 - g0.mean()) / (g0.std() + 1e-6)))
+    assert group[1].eq(0).all()  # a tie stays a tie: no signal is made up
+    flat = torch.tensor(rewards).flatten()
+    batch = torch.tensor(normalize_rewards(rewards, "batch"))
+    torch.testing.assert_close(batch.flatten(), (flat - flat.mean()) / (flat.std() + 1e-6))
+    clipped = torch.tensor(normalize_rewards(rewards, "none", clip=1.5))
+    assert clipped.max() == 1.5 and clipped[2, 1] == 1.0
+    assert torch.tensor(normalize_rewards(rewards, "batch", clip=1.0)).abs().max() == 1.0
+    assert normalize_rewards([], "batch") == [] and normalize_rewards([], "group") == []
+    with pytest.raises(ValueError, match="algo.reward_norm: unknown mode 'rank'"):
+        normalize_rewards(rewards, "rank")
+    cfg = load_config(RECIPE, ["algo.reward_norm=batch", "algo.reward_clip=5"])
+    assert cfg.algo.reward_norm == "batch" and cfg.algo.reward_clip == 5.0
+    with pytest.raises(ConfigError, match="algo.reward_norm: group whitens each prompt's rewards"):
+        load_config(RECIPE, ["algo.reward_norm=group", "algo.estimator=reinforce_pp", "rollout.n=1"])

@@ -144,6 +144,11 @@ class AlgoConfig(_Section):
     seq_clip_ratio_high: float = Field(4e-4, ge=0,
         description="gspo only: sequence ratio ceiling 1 + seq_clip_ratio_high")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus (loss - entropy_coef * entropy)")
+    reward_norm: Literal["none", "group", "batch"] = Field("none",
+        description="rewards as the estimator sees them (yatt/algos/reward_norm.py): none, group (each prompt's "
+                    "rewards whitened) or batch (whitened over the whole step, every rank); metrics keep the raw ones")
+    reward_clip: float = Field(0.0, ge=0,
+        description="clip the (normalised) rewards to [-reward_clip, reward_clip] before the estimator (0: no clip)")
     ppo_epochs: int = Field(1, gt=0, description="passes over the step's rollout batch")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch")
     dynamic_sampling: bool = Field(False,
@@ -315,6 +320,8 @@ class Config(_Section):
         if est not in ESTIMATOR_NAMES and not re.fullmatch(r"[\w.]+:\w+", est):
             raise ValueError(f"algo.estimator: unknown estimator {est!r}; one of {sorted(ESTIMATOR_NAMES)}, or "
                              "'package.module:function' for your own")
+        if self.algo.reward_norm == "group" and self.rollout.n < 2:
+            raise ValueError("algo.reward_norm: group whitens each prompt's rewards, which needs rollout.n >= 2")
         if est in GROUP_RELATIVE and self.rollout.n < 2:  # refused before any model loads
             raise ValueError(f"rollout.n: the {self.algo.estimator} advantage is group-relative (a reward against "
                              "the other responses to its prompt), so a group of one response has advantage 0 and "

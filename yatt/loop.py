@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from yatt.algos.estimators import outcome_advantages
+from yatt.algos.reward_norm import normalize_rewards
 from yatt.algos.update import compute_logprobs, compute_values, critic_update, finish_advantages, policy_update
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints
 from yatt.checkpoint.saver import CheckpointWriteError
@@ -180,12 +181,14 @@ def _sample_round(job: Job, step: int, round_: int, timer: PhaseTimer, sums: dic
 
 
 def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer, sums: dict) -> list[list[dict]]:
-    """The step's samples with their outcome advantages (on the rank that owns each whole group),
-    shared over the model replica and balanced over the DP ranks: this rank's micro-batches per
-    mini-batch."""
-    t = job.cfg.trainer
+    """The step's samples with their outcome advantages (on the rank that owns each whole group, of
+    the rewards as ``algo.reward_norm`` and ``algo.reward_clip`` make them; collective over the
+    trainers), shared over the model replica and balanced over the DP ranks: this rank's
+    micro-batches per mini-batch."""
+    t, a = job.cfg.trainer, job.cfg.algo
+    scores = normalize_rewards(rewards, a.reward_norm, a.reward_clip, job.placement.train_group)
     samples = make_samples([g.row for g in groups], [g.completions for g in groups], [x for r in rewards for x in r],
-                           outcome_advantages(job.estimator, rewards))
+                           outcome_advantages(job.estimator, scores))
     if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
         samples = _gather(samples, job.mp_group, t.tp * t.pp)
     with timer("balance"):
