@@ -97,7 +97,7 @@ def _train(job: Job) -> list[dict]:
     job.writer = MetricsWriter(cfg.output_dir, job.info.rank, resume_step=start, tensorboard=cfg.log.tensorboard)
     records = [] if start else _evaluate(job, 0)
     if start:
-        job.placement.sync(job.actor, PhaseTimer())  # the engines serve the resumed policy
+        job.placement.sync(job.actor)  # the engines serve the resumed policy
     _stop_if_signalled(ckpt, start)  # a signal during the step-0 eval or the sync
     for step in tqdm(range(start + 1, total + 1), desc="steps", initial=start, total=total,
                      disable=not (job.info.rank == 0 and cfg.log.progress), dynamic_ncols=True):
@@ -140,7 +140,7 @@ def _step(job: Job, step: int) -> dict:
         sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
     sums["data_rows_skipped"] = (float(sum(job.train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
     sums["checkpoint_failures"] = (float(job.ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
-    job.placement.sync(job.actor, timer)
+    timer.merge(job.placement.sync(job.actor, timer.on_enter))
     job.phase("step end", step)
     return _record(job, step, timer, t0, sums)
 
@@ -165,7 +165,8 @@ def _sample_round(job: Job, step: int, round_: int, timer: PhaseTimer, sums: dic
     seed = ((cfg.seed * 1_000_003 + step) * 4099 + job.info.rank) + round_ * 1_000_000_007  # reproducible
     spec = SamplingSpec(n=n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                         top_p=cfg.rollout.top_p, seed=seed)
-    groups, more = job.placement.rollout_and_score(job.shard.next_batch(), spec, job.actor, timer)
+    groups, more, measured = job.placement.rollout_and_score(job.shard.next_batch(), spec, job.actor, timer.on_enter)
+    timer.merge(measured)
     rewards = []
     if job.trains:
         scorer = job.scorer
@@ -205,7 +206,7 @@ def _record(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> di
                                                   max_prefixes=("time_", "mem_peak_"))}
     record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
     record.update(_idle_record(idle))
-    job.placement.end_step(record)
+    job.placement.end_step(record["time_rollout_genrm_s"])
     job.writer.write(record)
     if job.info.rank == 0:
         tqdm.write(_line(record))

@@ -38,7 +38,7 @@ def main() -> None:
             assert all(x["step"] == step for x in got)
         every = sorted(x["from"] for part in comm.allgather(got) for x in part)
         assert every == list(roles.samplers), (step, every)
-        placement.end_step({"time_rollout_genrm_s": cost[len(roles.judges)]})
+        placement.end_step(cost[len(roles.judges)])
     assert placement.search.best == 2 and seen[-1] == 2, seen
     assert set(seen[:3]) == {1, 2, 3}  # each candidate split was measured once
     if rank == 0:

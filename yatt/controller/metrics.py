@@ -28,6 +28,14 @@ class PhaseTimer:
         self.interval_s = interval_s
         self.on_enter = on_enter  # called with the phase name as it starts (e.g. the watchdog's phase)
 
+    def merge(self, other: "PhaseTimer") -> None:
+        """Add ``other``'s phase times to these and keep the larger peak of each phase (a role's
+        measurements, e.g. the placement's, into the step's)."""
+        for k, v in other.times.items():
+            self.times[k] = self.times.get(k, 0.0) + v
+        for k, v in other.peaks.items():
+            self.peaks[k] = max(self.peaks.get(k, 0.0), v)
+
     @contextmanager
     def __call__(self, phase: str):
         if self.on_enter is not None:

@@ -1,7 +1,9 @@
 """This rank's part of the placement plan: engine lifetimes and the rollout + GenRM phase.
 
 The step loop calls, per step, :meth:`Placement.rollout_and_score` (returns the sample groups
-this rank trains on) and, after training, :meth:`Placement.sync`. Which engines live when:
+this rank trains on) and, after training, :meth:`Placement.sync`; each returns the phase times it
+measured, which the loop adds to the step's, and :meth:`Placement.end_step` takes the step's
+reduced rollout + GenRM time for the split search. Which engines live when:
 
 - ``colocate``: with a GenRM reward the rollout engine is released while the judge runs, the
   judge is released before training, and the rollout engine comes back for the weight push.
@@ -22,6 +24,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from yatt.controller.metrics import PhaseTimer
 from yatt.placement.plan import Roles, plan_roles, route
 from yatt.placement.search import SplitSearch
 from yatt.placement.slots import EngineSlot
@@ -128,24 +131,27 @@ class Placement:
         self.judge.close()
 
     # ------------------------------------------------------------------ the rollout + GenRM phase
-    def rollout_and_score(self, rows: list, spec, actor, timer) -> tuple[list[SampleGroup], dict]:
+    def rollout_and_score(self, rows: list, spec, actor, on_phase=None) -> tuple[list[SampleGroup], dict, PhaseTimer]:
         """Roll out this step's prompts, judge them, and return the groups this rank trains on.
 
         Args:
             rows: the prompts this rank drew (``prompts_per_rank``). spec: SamplingSpec with the
                 step seed. actor: this rank's MegatronPolicy (partial_colocate pushes its
-                weights into the freshly built engine), or None. timer: the step's PhaseTimer.
+                weights into the freshly built engine), or None. on_phase: called with each
+                phase's name as it starts (the watchdog's current phase), or None.
         Returns:
             (groups sorted by ``gid``, (sum, count) metric pairs: idle time ``idle_s`` and, on
-            GenRM ranks of a split mode, the queue metrics ``genrm_queue_*``).
+            GenRM ranks of a split mode, the queue metrics ``genrm_queue_*``; what it measured:
+            a :class:`PhaseTimer` of the phases rollout, genrm, rollout_genrm, engines, sync).
         """
+        timer = PhaseTimer(on_enter=on_phase)
         gids = [self.rank * len(rows) + i for i in range(len(rows))]
         if not self.roles.split:
             groups = self._colocated(rows, gids, spec, timer)
             if self.gpu:
                 with timer("engines"):
                     self.rollout.sleep()
-            return groups, {"idle_s": (0.0, 1.0)}
+            return groups, {"idle_s": (0.0, 1.0)}, timer
         if self.roles.mode == "partial_colocate":
             with timer("engines"):  # CPU: samplers build the policy engine while GenRM ranks build the judge
                 (self.rollout if self.rank in self.roles.samplers else self.judge).wake()
@@ -159,7 +165,7 @@ class Placement:
                 self.judge.sleep()
             elif self.gpu and self.trains:
                 self.rollout.sleep()
-        return sorted(groups, key=lambda g: g.gid), sums
+        return sorted(groups, key=lambda g: g.gid), sums, timer
 
     def _colocated(self, rows, gids, spec, timer) -> list[SampleGroup]:
         with timer("rollout"):
@@ -218,21 +224,25 @@ class Placement:
         return groups, sums
 
     # ------------------------------------------------------------------ weights and engines
-    def sync(self, actor, timer) -> None:
+    def sync(self, actor, on_phase=None) -> PhaseTimer:
         """After training: the new weights into the rollout engines that serve the next step
-        (partial_colocate pushes at the next phase start instead, into freshly woken engines)."""
+        (partial_colocate pushes at the next phase start instead, into freshly woken engines).
+        Returns what it measured (phases engines and sync; ``on_phase`` as in
+        :meth:`rollout_and_score`)."""
+        timer = PhaseTimer(on_enter=on_phase)
         if self.roles.mode == "partial_colocate" or not self.trains:
-            return
+            return timer
         with timer("engines"):  # CPU colocated GenRM: rebuilt here; GPU: woken
             self.rollout.wake()
         with timer("sync"):
             self._push(actor)
+        return timer
 
-    def end_step(self, record: dict) -> None:
-        """Feed the step's (globally reduced) rollout + GenRM time to the split search."""
+    def end_step(self, rollout_genrm_s: float) -> None:
+        """Feed the step's rollout + GenRM time (reduced over the ranks: the slowest's) to the split search."""
         if self.search is None:
             return
-        self.search.record(len(self.roles.judges), record["time_rollout_genrm_s"])
+        self.search.record(len(self.roles.judges), rollout_genrm_s)
         k = self.search.next()
         if k != len(self.roles.judges):
             self.roles = plan_roles(self.roles.mode, self.world, k)
