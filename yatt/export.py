@@ -123,8 +123,7 @@ def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict, role: str = "acto
     layout = layout_from_hf(hf_config, tp)
     out: dict[str, torch.Tensor] = {}
     for stage in range(pp):
-        prefix = "" if role == "actor" else f"{role}_"
-        paths = [step_dir / "model" / f"{prefix}tp{t}_pp{stage}.pt" for t in range(tp)]
+        paths = [step_dir / "model" / f"{files.role_key(role, f'tp{t}_pp{stage}')}.pt" for t in range(tp)]
         shards = [_load_shard(f) for f in paths]
         for f, s in zip(paths[1:], shards[1:], strict=True):
             if s.keys() != shards[0].keys():
@@ -210,9 +209,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
     if damaged:
         raise ValueError(f"checkpoint {step} does not verify: {'; '.join(damaged)}")
     meta = read_meta(step)
-    if role == "critic" and "critic_model_path" not in meta:
-        raise ValueError(f"checkpoint {step} has no critic (meta.json: no critic_model_path)")
-    base = Path(model_path if model_path is not None else meta[f"{role}_model_path" if role != "actor" else "model_path"])
+    path_key = {"actor": "model_path", "critic": "critic_model_path"}[role]  # the base folder of the role's model
+    if path_key not in meta:
+        raise ValueError(f"checkpoint {step} has no {role} (meta.json: no {path_key})")
+    base = Path(model_path if model_path is not None else meta[path_key])
     if not (base / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in the base model folder {base} (use --model-path)")
     hf_config = json.loads((base / "config.json").read_text())

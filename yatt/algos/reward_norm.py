@@ -2,8 +2,9 @@
 a pure function of a step's rewards plus one reduction.
 
 - ``none``: the scores as they are.
-- ``group``: each prompt's ``n`` rewards whitened, ``(r - mean_g) / (std_g + eps)`` (unbiased std;
-  a group of equal rewards becomes 0).
+- ``group``: each prompt's ``n`` rewards whitened, ``(r - mean_g) / (std_g + eps)`` (GRPO's group
+  normalisation, :func:`yatt.algos.grpo.group_advantages`: unbiased std, a group of equal rewards
+  becomes 0).
 - ``batch``: every reward of the step whitened with the mean and std over all groups of every
   rank that trains (one all-reduce of count, sum and sum of squares, never a gather), the
   reward scaling PPO implementations for RLHF use (Ziegler et al. 2019, sec. 2.2; OpenRLHF's
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from yatt.algos.grpo import group_advantages
 from yatt.algos.token_advantages import whitening_moments
 
 
@@ -37,9 +39,8 @@ def normalize_rewards(rewards: list[list[float]], mode: str, clip: float = 0.0, 
     if mode not in ("none", "group", "batch"):
         raise ValueError(f"algo.reward_norm: unknown mode {mode!r} (none, group or batch)")
     r = torch.tensor(rewards, dtype=torch.float64) if rewards else torch.zeros(0, 1, dtype=torch.float64)
-    if mode == "group" and r.numel():
-        std = r.std(-1, keepdim=True) if r.shape[1] > 1 else torch.zeros(len(r), 1, dtype=torch.float64)
-        r = (r - r.mean(-1, keepdim=True)) / (std + eps)
+    if mode == "group":
+        r = group_advantages(r, norm_by_std=True, eps=eps)
     elif mode == "batch":
         mean, std = whitening_moments([r], [torch.ones_like(r)], group)
         r = (r - mean) / (std + eps)

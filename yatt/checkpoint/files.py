@@ -6,6 +6,7 @@ Layout under a checkpoint root (``checkpoint.dir``, default ``<output_dir>/check
       meta.json             step, format, world/TP/PP/DP sizes, dtype, base model folder, run config
       model/tp{t}_pp{p}.pt  GPTModel.state_dict() of TP rank t, pipeline stage p (torch.save)
       optim/tp{t}_pp{p}.pt  {"optimizer": ..., "scheduler": ...} of that model shard
+      model/critic_tp{t}_pp{p}.pt, optim/critic_tp{t}_pp{p}.pt   the critic's, when PPO trains one
       rank/{rank:05d}.pt    this rank's RNG states, controller-shard position and counters
     step_000013.tmp/        being written: ignored by resume and export, removed at start
     latest                  the name of the newest complete checkpoint ("step_000012\\n")
@@ -34,6 +35,12 @@ LATEST = "latest"
 META = "meta.json"
 FORMAT = 2  # 2: meta.json lists every file's size and CRC-32; rank files load with weights_only=True
 _STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def role_key(role: str, model_key: str) -> str:
+    """The file key of a trained role's shard: the actor's is ``model_key`` (``tp{t}_pp{p}``, as
+    before roles existed), another role's ``<role>_<model_key>`` (``critic_tp0_pp0``)."""
+    return model_key if role == "actor" else f"{role}_{model_key}"
 
 
 def checkpoint_root(cfg) -> Path:

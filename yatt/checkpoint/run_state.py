@@ -154,8 +154,10 @@ class RunCheckpoints:
         """Load the actor's (and the critic's) model, optimizer and LR schedule from ``folder``."""
         if self.actor is None:
             return
-        models = [(self.actor, self.load_key)] + ([(self.critic, f"critic_{self.load_key}")] if self.critic else [])
-        for model, key in models:
+        for role, model in (("actor", self.actor), ("critic", self.critic)):
+            if model is None:
+                continue
+            key = files.role_key(role, self.load_key)
             model.module.load_state_dict(load_part(folder, "model", key))
             optim = load_part(folder, "optim", key)
             model.optimizer.load_state_dict(optim["optimizer"])

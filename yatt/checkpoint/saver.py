@@ -193,7 +193,7 @@ class Checkpointer:
         jobs = [(copy.deepcopy(rank_state), tmp / "rank" / f"{self.rank:05d}.pt")]
         needed = 1 << 20
         if self.model_key is not None:
-            keys = {self.model_key: (model, optim), **{f"{r}_{self.model_key}": v for r, v in (roles or {}).items()}}
+            keys = {files.role_key(r, self.model_key): v for r, v in {"actor": (model, optim), **(roles or {})}.items()}
             state = {k: {"model": m, "optim": o} for k, (m, o) in keys.items()}
             if self.async_save:  # training goes on while the thread writes: it writes a host copy
                 state = self.snapshot.take(state)

@@ -189,6 +189,16 @@ def _shift_right(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
 
 
+def _at_tokens(x: torch.Tensor, ids: torch.Tensor, select) -> torch.Tensor:
+    """Scores at the predicting positions -> fp32 ``[B, T]`` at the tokens they score (0 elsewhere):
+    ``x`` is ``[B, T]`` over every position (``select`` None) or ``[N]`` over the ``select``ed
+    (row, position) pairs (:func:`_scored_positions`), whose next token it scores."""
+    if select is None:
+        return _shift_right(x.float())
+    rows, cols = select
+    return ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), x.float())
+
+
 def _fuse_adam(optimizer) -> None:
     """Switch the torch AdamW that Megatron-Core builds without Apex/Transformer Engine to torch's
     fused kernel (``fused=True``: one pass over each tensor, no temporaries), CPU and CUDA alike.
@@ -327,13 +337,11 @@ class MegatronPolicy:
         if select is None:
             targets = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
             logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, self.layout.vocab_size, entropy_grad)
-            logprobs, entropy = _shift_right(logprobs), _shift_right(entropy)
         else:
             rows, cols = select  # logits at position t score the token at t + 1
-            lp, ent = vocab_parallel_logprobs_entropy(logits, ids[rows, cols + 1].unsqueeze(0), self.layout.vocab_size,
-                                                      entropy_grad)
-            logprobs = ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), lp[0])
-            entropy = ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), ent[0])
+            logprobs, entropy = (x[0] for x in vocab_parallel_logprobs_entropy(
+                logits, ids[rows, cols + 1].unsqueeze(0), self.layout.vocab_size, entropy_grad))
+        logprobs, entropy = _at_tokens(logprobs, ids, select), _at_tokens(entropy, ids, select)
         loss, stats = loss_fn(logprobs, entropy, mb)
         # (loss, num_tokens, reported): 3 outputs + calculate_per_token_loss -> no rescaling.
         return loss, torch.zeros((), dtype=torch.int), stats

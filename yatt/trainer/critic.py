@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from yatt.trainer.actor import MegatronPolicy, _shift_right
+from yatt.trainer.actor import MegatronPolicy, _at_tokens
 
 
 class MegatronCritic(MegatronPolicy):
@@ -23,18 +23,10 @@ class MegatronCritic(MegatronPolicy):
     head = "value"
 
     def _loss(self, loss_fn, mb: dict, select, out: torch.Tensor):
-        values = self._values(out, mb, select)
+        # out: [B, T, 1] at every predicting position, or [1, N, 1] at the selected ones
+        values = _at_tokens(out[..., 0] if select is None else out[0, :, 0], mb["input_ids"], select)
         loss, stats = loss_fn(values, mb)
         return loss, torch.zeros((), dtype=torch.int), stats
-
-    @staticmethod
-    def _values(out: torch.Tensor, mb: dict, select) -> torch.Tensor:
-        """Head outputs -> values ``[B, T]`` fp32 at the tokens whose state they value (0 elsewhere)."""
-        ids = mb["input_ids"]
-        if select is None:  # out [B, T, 1] at the predicting position
-            return _shift_right(out[..., 0].float())
-        rows, cols = select  # out [1, N, 1]: the state before the token at cols + 1
-        return ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), out[0, :, 0].float())
 
     def compute_values(self, micro_batches: list[dict]) -> list[torch.Tensor]:
         """The critic's values, without grad.
