@@ -64,17 +64,34 @@ def test_make_samples_rewards_and_advantages():
     assert outcome_advantages(grpo, []) == []
 
 
-def test_phase_timer_records_time_and_peak_memory():
+def test_phase_timer_records_time_and_peak_memory(monkeypatch):
+    """The background sampler sees memory a phase holds only in its middle. The phase holds its
+    block until the sampler has read the RSS twice (the second read begins after the block exists),
+    however slowly a loaded machine schedules the sampler's thread, instead of for a fixed time."""
+    import threading
     import time
 
     import psutil
 
+    from yatt.controller import metrics
     from yatt.controller.metrics import PhaseTimer
 
+    reads = threading.Semaphore(0)
+
+    class Counted(psutil.Process):
+        def memory_info(self):
+            info = super().memory_info()
+            reads.release()
+            return info
+
+    monkeypatch.setattr(metrics.psutil, "Process", Counted)
     timer = PhaseTimer(interval_s=0.01)
     with timer("alloc"):
         block = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, touched
         held = psutil.Process().memory_info().rss / 2**30
+        while reads.acquire(blocking=False):  # the reads so far may predate the block
+            pass
+        assert reads.acquire(timeout=60) and reads.acquire(timeout=60), "the sampler never ran"
         time.sleep(0.05)
         del block
     with timer("idle"):

@@ -95,30 +95,40 @@ def test_fewer_mini_batches_when_a_small_step_cannot_give_every_rank_a_sample():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_layouts_of_all_ranks_agree_on_every_route(seed):
+@pytest.mark.parametrize("skip", [False, True])
+def test_layouts_of_all_ranks_agree_on_every_route(seed, skip):
     """The plan seen from each of D simulated ranks: what p sends q is what q expects from p, in
-    order; every sample lands on exactly one rank; micro-batches cover the balanced list."""
+    order; every kept sample lands on exactly one rank, in the mini-batch of its own chunk; micro-batches
+    cover the balanced list. ``skip``: a random part of the samples is left out (zero signal)."""
     from types import SimpleNamespace
 
+    from yatt.controller.batch import mini_batch_bounds
     from yatt.controller.rebalance import _fillable
 
     rng = np.random.default_rng(seed)
     ranks = int(rng.integers(1, 7))
     every = [np.stack([rng.integers(5, 40, n), rng.pareto(1.0, n).astype(np.int64) + 1], axis=1)
              for n in rng.integers(0, 12, ranks)]
+    keeps = [rng.random(len(x)) < (0.5 if skip else 2.0) for x in every]
     mini = _fillable(2, [len(x) for x in every], ranks)
+    bounds = [mini_batch_bounds(len(x), mini) if mini else [0] for x in every]
     layouts = []
     for r in range(ranks):
         balancer = DpBalancer(BalanceConfig(), token_budget=64)
         balancer.exchange = SimpleNamespace(size=ranks, rank=r)
-        layouts.append(balancer._layout(every, mini))
+        layouts.append(balancer._layout(every, keeps, bounds))
     placed = sorted((int(p), int(i)) for lay in layouts for p, i in zip(lay.src, lay.src_local))
     if mini:
-        assert placed == sorted((p, i) for p, x in enumerate(every) for i in range(len(x)))
+        assert placed == sorted((p, i) for p, k in enumerate(keeps) for i in np.nonzero(k)[0])
     for p, sender in enumerate(layouts):
         for q, receiver in enumerate(layouts):
             assert sender.send[q].tolist() == receiver.src_local[receiver.src == p].tolist()
     for lay in layouts:
         flat = [int(i) for split in lay.splits for mb in split for i in mb]
         assert flat == list(range(len(lay.src)))
-        assert all(len(split) >= 1 for split in lay.splits)  # every rank has work in every mini-batch
+        assert len(lay.splits) == mini
+        for m, split in enumerate(lay.splits):  # each sample trains in the mini-batch of its own chunk
+            for i in (int(i) for mb in split for i in mb):
+                assert bounds[lay.src[i]][m] <= lay.src_local[i] < bounds[lay.src[i]][m + 1]
+        if not skip:
+            assert all(len(split) >= 1 for split in lay.splits)  # every rank has work in every mini-batch

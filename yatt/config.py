@@ -155,6 +155,10 @@ class AlgoConfig(_Section):
         description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the "
                     "step has trainer.prompts_per_rank * world groups")
     max_sampling_rounds: int = Field(2, ge=0, description="dynamic sampling: extra rounds per step at most")
+    skip_zero_signal: bool = Field(True,
+        description="leave samples whose advantage is exactly 0 out of the logprob and train passes when nothing "
+                    "else in the loss reads them (an outcome estimator, kl_coef 0, entropy_coef 0); they still count in "
+                    "the loss normaliser, so the update is the full batch's (yatt/algos/zero_signal.py)")
 
 
 class CriticConfig(_Section):

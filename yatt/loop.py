@@ -24,12 +24,14 @@ from tqdm import tqdm
 
 from yatt.algos.estimators import outcome_advantages
 from yatt.algos.reward_norm import normalize_rewards
+from yatt.algos.zero_signal import trained_mask
 from yatt.algos.update import compute_logprobs, compute_values, critic_update, finish_advantages, policy_update
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints
 from yatt.checkpoint.saver import CheckpointWriteError
 from yatt.checkpoint.triggers import Preempted
 from yatt.config import Config
-from yatt.controller.batch import make_mini_batches, make_samples, pack_micro_batches
+from yatt.controller.batch import (make_mini_batches, make_samples, mini_batch_bounds, pack_micro_batches,
+                                   skipped_counts)
 from yatt.controller.evaluate import evaluate
 from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
 from yatt.controller.rebalance import DpBalancer
@@ -39,7 +41,7 @@ from yatt.job import Job, build_job
 log = logging.getLogger("yatt")
 # summed over ranks, not averaged
 _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
-             "dynamic_sampling_groups_trimmed", "data_rows_skipped")
+             "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped")
 _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures")  # max over ranks
 
 
@@ -121,7 +123,7 @@ def _step(job: Job, step: int) -> dict:
     job.phase("rollout", step)
     groups, rewards = _rollout_and_score(job, step, timer, sums)
     if job.trains:
-        mini_batches = _experience(job, groups, rewards, timer, sums)
+        mini_batches, skipped = _experience(job, groups, rewards, timer, sums)
         with timer("logprob"):
             logprob_sums = compute_logprobs(job.actor, job.ref, mini_batches, cfg.algo.recompute_old_logprobs)
             if job.critic is not None:
@@ -130,7 +132,7 @@ def _step(job: Job, step: int) -> dict:
         if step > cfg.critic.freeze_actor_steps:  # 0 unless a critic warms up alone
             with timer("train"):
                 sums.update(policy_update(job.actor, mini_batches, cfg.algo, job.dp_group, job.guard,
-                                          cfg.rollout.max_tokens))
+                                          cfg.rollout.max_tokens, skipped))
         if job.critic is not None:
             with timer("critic"):
                 sums.update(critic_update(job.critic, mini_batches, cfg.critic, cfg.algo.ppo_epochs, job.dp_group,
@@ -181,19 +183,26 @@ def _sample_round(job: Job, step: int, round_: int, timer: PhaseTimer, sums: dic
     return groups, rewards
 
 
-def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer, sums: dict) -> list[list[dict]]:
+def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer, sums: dict):
     """The step's samples with their outcome advantages (on the rank that owns each whole group, of
     the rewards as ``algo.reward_norm`` and ``algo.reward_clip`` make them; collective over the
-    trainers), shared over the model replica and balanced over the DP ranks: this rank's
-    micro-batches per mini-batch."""
+    trainers), shared over the model replica, the zero-signal ones left out
+    (:func:`yatt.algos.zero_signal.trained_mask`) and the rest balanced over the DP ranks. Returns
+    this rank's micro-batches per mini-batch and, per mini-batch, its left-out (response tokens,
+    sequences) for the loss normaliser."""
     t, a = job.cfg.trainer, job.cfg.algo
     scores = normalize_rewards(rewards, a.reward_norm, a.reward_clip, job.placement.train_group)
     samples = make_samples([g.row for g in groups], [g.completions for g in groups], [x for r in rewards for x in r],
                            outcome_advantages(job.estimator, scores))
+    first = True  # of its model replica, which counts the replica's left-out samples once
     if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
-        samples = _gather(samples, job.mp_group, t.tp * t.pp)
+        samples, first = _gather(samples, job.mp_group, t.tp * t.pp), dist.get_rank(job.mp_group) == 0
+    keep = trained_mask(a, [s.advantage for s in samples])
+    if keep is not None:
+        left = [s for s, k in zip(samples, keep) if not k] if first else []
+        sums.update(samples_skipped=(float(len(left)), 1.0), tokens_skipped=(float(sum(s.length for s in left)), 1.0))
     with timer("balance"):
-        return _mini_batches(samples, job.balancer, job.cfg, job.tokenizer.pad_token_id, sums)
+        return _mini_batches(samples, keep, job.balancer, job.cfg, job.tokenizer.pad_token_id, sums)
 
 
 def _record(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> dict:
@@ -243,17 +252,22 @@ def _gather(samples, group, size: int):
     return [s for part in parts for s in part]
 
 
-def _mini_batches(samples, balancer: DpBalancer | None, cfg: Config, pad_id: int, sums: dict) -> list[list[dict]]:
-    """This rank's micro-batches per mini-batch: after DP balancing (which adds ``dp_imbalance_before``,
-    ``dp_imbalance_after`` and ``update_skipped`` to ``sums``), or of its own samples when balancing is off."""
+def _mini_batches(samples, keep: list[bool] | None, balancer: DpBalancer | None, cfg: Config, pad_id: int,
+                  sums: dict) -> tuple[list[list[dict]], list[tuple[float, float]]]:
+    """This rank's micro-batches per mini-batch of the samples ``keep`` marks, and per mini-batch the
+    (response tokens, sequences) of the left-out ones: after DP balancing (which adds
+    ``dp_imbalance_before``, ``dp_imbalance_after`` and ``update_skipped`` to ``sums``), or of its
+    own samples when balancing is off."""
+    m = cfg.algo.mini_batches
     if balancer is None:
-        return make_mini_batches(samples, cfg.algo.mini_batches, cfg.trainer.micro_batch_tokens, pad_id)
-    bal = balancer.balance(samples, cfg.algo.mini_batches)
+        minis = make_mini_batches(samples, m, cfg.trainer.micro_batch_tokens, pad_id, keep)
+        return minis, skipped_counts(samples, keep, mini_batch_bounds(len(samples), m))
+    bal = balancer.balance(samples, m, keep)
     if not bal.splits:
         log.warning("fewer samples than DP ranks this step (dynamic sampling cap?): no update")
     sums["update_skipped"] = (float(not bal.splits), 1.0)
     sums.update(dp_imbalance_before=(bal.imbalance_before, 1.0), dp_imbalance_after=(bal.imbalance_after, 1.0))
-    return [pack_micro_batches(bal.samples, split, pad_id) for split in bal.splits]
+    return [pack_micro_batches(bal.samples, split, pad_id) for split in bal.splits], bal.skipped
 
 
 def _wait_for_peers() -> float:
@@ -301,10 +315,11 @@ def _line(r: dict) -> str:
 
     genrm = f" genrm {r['reward_genrm_mean']:.3f} unparsable {r['genrm_unparsable']:.0f}" if "reward_genrm_mean" in r else ""
     critic = f" | vloss {r['value_loss']:.4f} ev {r['explained_variance']:.3f}" if "value_loss" in r else ""
+    skipped = f" skip {r['samples_skipped']:.0f}" if "samples_skipped" in r else ""
     phases = " ".join(f"{name} {r[f'time_{key}_s']:.1f}" for name, key in _PHASES if f"time_{key}_s" in r)
     return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f}{genrm} | kl {v('kl', '.4f')} "
             f"ent {v('entropy', '.3f')} clip {v('clip_frac', '.3f')} gnorm {v('grad_norm', '.3f')}{critic} "
-            f"| len {r['response_len_mean']:.1f} | lpdiff {v('logprob_diff_rollout_vs_train', '.1e')} | "
+            f"| len {r['response_len_mean']:.1f}{skipped} | lpdiff {v('logprob_diff_rollout_vs_train', '.1e')} | "
             f"{r['time_step_s']:.1f}s ({phases} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
 
 

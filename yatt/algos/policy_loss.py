@@ -52,6 +52,7 @@ PolicyLossFn = Callable[..., PolicyTerms]
 AggFn = Callable[[torch.Tensor, torch.Tensor, LossNorm], torch.Tensor]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 LOSS_AGGS: dict[str, AggFn] = {}
+ZERO_AT_ZERO_ADVANTAGE: set[str] = set()  # policy losses with no loss and no gradient where A == 0
 
 
 def _register(table: dict, kind: str, name: str):
@@ -64,8 +65,14 @@ def _register(table: dict, kind: str, name: str):
     return add
 
 
-def register_policy_loss(name: str):
-    """Decorator: make ``fn`` selectable as ``algo.policy_loss=<name>``. Raises ValueError: taken."""
+def register_policy_loss(name: str, *, zero_at_zero_advantage: bool = False):
+    """Decorator: make ``fn`` selectable as ``algo.policy_loss=<name>``. Raises ValueError: taken.
+
+    ``zero_at_zero_advantage``: the loss declares that a token whose advantage is exactly 0 has loss 0
+    and gradient 0 (it is linear in the advantage), so a sample of zero advantage may be left out of
+    the train pass (:mod:`yatt.algos.zero_signal`); ``tests/test_zero_signal.py`` checks the claim."""
+    if zero_at_zero_advantage:
+        ZERO_AT_ZERO_ADVANTAGE.add(name)
     return _register(POLICY_LOSSES, "policy loss", name)
 
 
@@ -74,7 +81,7 @@ def register_loss_agg(name: str):
     return _register(LOSS_AGGS, "loss aggregation", name)
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", zero_at_zero_advantage=True)
 def ppo_clip(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     """PPO's clipped surrogate per token, ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``
     with ``r = exp(logprob - old_logprob)`` (Schulman et al. 2017, "Proximal Policy Optimization
@@ -85,7 +92,7 @@ def ppo_clip(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     return PolicyTerms(loss, ratio, clipped)
 
 
-@register_policy_loss("dual_clip")
+@register_policy_loss("dual_clip", zero_at_zero_advantage=True)
 def dual_clip(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     """Dual-clip PPO: for a negative advantage the clipped surrogate is also bounded by
     ``-c A`` (``c = cfg.clip_ratio_c > 1``), so a huge ratio on a bad token cannot blow the loss
@@ -98,7 +105,7 @@ def dual_clip(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     return PolicyTerms(torch.where(lower, bound, terms.loss), terms.ratio, terms.clipped | lower)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", zero_at_zero_advantage=True)
 def gspo(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     """GSPO: one importance ratio per sequence, the length-normalised
     ``s_i = exp(mean_t (logprob - old_logprob))`` over its response tokens, clipped to

@@ -112,54 +112,67 @@ def _value_sums(micro_batches: list[dict], dp_group=None) -> dict[str, tuple[flo
             "explained_variance": (1.0 - std_d ** 2 / (std_r ** 2 + 1e-8), 1.0)}
 
 
-def mini_batch_norm(micro_batches: list[dict], max_tokens: int, dp_group=None) -> LossNorm:
+def mini_batch_norm(micro_batches: list[dict], max_tokens: int, dp_group=None,
+                    skipped: tuple[float, float] = (0.0, 0.0)) -> LossNorm:
     """The loss normaliser of one mini-batch: its response tokens and sequences summed over its
-    micro-batches and the ranks of ``dp_group`` (one all-reduce; every rank gets the same)."""
+    micro-batches, this rank's ``skipped`` (response tokens, sequences) of the samples left out of
+    the passes (:mod:`yatt.algos.zero_signal`), and the ranks of ``dp_group`` (one all-reduce; every
+    rank gets the same)."""
     counts = torch.tensor([[float(mb["response_mask"].sum()), float((mb["response_mask"].sum(-1) > 0).sum())]
-                           for mb in micro_batches] or [[0.0, 0.0]], dtype=torch.float64).sum(0)
+                           for mb in micro_batches] + [list(skipped)], dtype=torch.float64).sum(0)
     if dist.is_initialized():
         dist.all_reduce(counts, group=dp_group)
     return LossNorm(tokens=float(counts[0]), seqs=float(counts[1]), max_tokens=float(max_tokens))
 
 
 def policy_update(actor, mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=None,
-                  guard=None, max_tokens: int = 1) -> dict[str, tuple[float, float]]:
+                  guard=None, max_tokens: int = 1,
+                  skipped: list[tuple[float, float]] | None = None) -> dict[str, tuple[float, float]]:
     """Run ``cfg.ppo_epochs`` passes of one optimizer step per mini-batch, each on the loss
     :class:`~yatt.algos.loss.PolicyLoss` normalised by the mini-batch's counts over ``dp_group``.
+    A rank with no micro-batch in a mini-batch still takes part in its optimizer step.
 
     Args:
         max_tokens: the response length budget (``rollout.max_tokens``), read by
             ``loss_agg=seq_mean_token_sum_norm``.
         guard: optional ``(grad norm) -> skip?`` (:class:`~yatt.algos.guard.StabilityGuard`); a
             skipped step adds nothing to the metrics but ``guard_skipped_updates``.
+        skipped: per mini-batch, this rank's (response tokens, sequences) of the zero-signal samples
+            left out of ``mini_batches`` (:func:`yatt.controller.batch.skipped_counts`): counted in
+            the normaliser, so the update is the full batch's. None: nothing left out.
     Returns:
-        (sum, count) pairs: token means of ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``,
-        ``ratio`` and ``entropy`` (first epoch) over response tokens; ``grad_norm`` and ``lr``
+        (sum, count) pairs: token means of ``pg_loss`` (over every response token, left-out ones
+        included: they add 0), and of ``kl``, ``ppo_kl``, ``clip_frac``, ``ratio`` and ``entropy``
+        (first epoch) over the trained response tokens; ``grad_norm`` and ``lr``
         averaged over the applied optimizer steps; ``guard_skipped_updates``; ``logprob_diff_rollout_vs_train`` from the first
         mini-batch (the one trained before any update). Without a reference model
         (``kl_coef == 0``) ``kl`` is the KL to this step's rollout policy (``ppo_kl``).
     """
     totals: dict[str, float] = {}  # over all optimizer steps
     first: dict[str, float] = {}  # over the first epoch (entropy of the policy that sampled)
-    steps = skipped = 0  # applied, skipped optimizer steps
+    steps = skipped_steps = 0  # applied, skipped optimizer steps
+    left_out = 0.0  # response tokens of the applied steps' left-out samples
+    skipped = skipped or [(0.0, 0.0)] * len(mini_batches)
     for epoch in range(cfg.ppo_epochs):
         for i, mbs in enumerate(mini_batches):
-            norm = mini_batch_norm(mbs, max_tokens, dp_group)
+            norm = mini_batch_norm(mbs, max_tokens, dp_group, skipped[i])
             out = actor.train_step(mbs, PolicyLoss(cfg, norm, on_policy=epoch == 0 and i == 0), guard)
             if out.pop("update_skipped", 0.0):
-                skipped += 1
+                skipped_steps += 1
                 continue
+            left_out += skipped[i][0]
             for k, v in out.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
                 if epoch == 0:
                     first[k] = first.get(k, 0.0) + float(v)
             steps += 1
     tokens = totals.get("tokens", 0.0)
-    result = {k: (totals.get(k, 0.0), tokens) for k in ("pg_loss", "kl", "ppo_kl", "clip_frac", "ratio")}
+    result = {k: (totals.get(k, 0.0), tokens) for k in ("kl", "ppo_kl", "clip_frac", "ratio")}
+    result["pg_loss"] = (totals.get("pg_loss", 0.0), tokens + left_out)
     result["entropy"] = (first.get("entropy", 0.0), first.get("tokens", 0.0))
     result["logprob_diff_rollout_vs_train"] = (totals.get("logprob_diff_rollout_vs_train", 0.0), totals.get("diff_tokens", 0.0))
     result.update({k: (totals.get(k, 0.0), steps) for k in ("grad_norm", "lr")})
-    result["guard_skipped_updates"] = (float(skipped), 1.0)
+    result["guard_skipped_updates"] = (float(skipped_steps), 1.0)
     if cfg.kl_coef == 0:
         result["kl"] = result["ppo_kl"]
     if cfg.entropy_coef > 0:  # the bonus's size in the loss: entropy_coef * entropy (token mean)

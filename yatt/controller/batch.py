@@ -97,10 +97,16 @@ def mini_batch_bounds(n: int, mini_batches: int) -> list[int]:
     return [round(i * n / mini_batches) for i in range(mini_batches + 1)]
 
 
-def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: int, pad_id: int) -> list[list[dict]]:
+def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: int, pad_id: int,
+                      keep: list[bool] | None = None) -> list[list[dict]]:
     """Split samples into ``mini_batches`` contiguous chunks, each split into micro-batches of at
     most ``token_budget`` tokens (:func:`yatt.balance.split_micro_batches`) and packed.
 
+    Args:
+        keep: per sample, whether it is trained (None: every one; see
+            :func:`yatt.algos.zero_signal.trained_mask`). The chunks are cut over every sample, as
+            without skipping, and the left-out ones then dropped, so each optimizer step sees the
+            samples it would see in the full batch (a chunk may become empty: no micro-batch).
     Returns:
         per mini-batch, its micro-batch dicts (:func:`~yatt.controller.batch.pack_micro_batches`;
         ``index`` points into ``samples``).
@@ -110,9 +116,23 @@ def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: in
     if len(samples) < mini_batches:
         raise ValueError(f"{len(samples)} samples on this rank cannot fill algo.mini_batches={mini_batches}")
     bounds = mini_batch_bounds(len(samples), mini_batches)
-    lengths = [s.length for s in samples]
-    return [pack_micro_batches(samples, [[a + i for i in g] for g in split_micro_batches(lengths[a:b], token_budget)],
-                               pad_id) for a, b in zip(bounds[:-1], bounds[1:])]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        idx = [i for i in range(a, b) if keep is None or keep[i]]
+        groups = split_micro_batches([samples[i].length for i in idx], token_budget)
+        out.append(pack_micro_batches(samples, [[idx[j] for j in g] for g in groups], pad_id))
+    return out
+
+
+def skipped_counts(samples: list[Sample], keep: list[bool] | None, bounds: list[int]) -> list[tuple[float, float]]:
+    """Per chunk ``samples[bounds[m]:bounds[m + 1]]``, the response tokens and the sequences (with at
+    least one response token) of the samples ``keep`` leaves out: what the loss normaliser of that
+    mini-batch still counts for them (:func:`yatt.algos.update.mini_batch_norm`). All 0 for ``keep=None``."""
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        lens = [len(samples[i].response_ids) for i in range(a, b) if keep is not None and not keep[i]]
+        out.append((float(sum(lens)), float(sum(n > 0 for n in lens))))
+    return out
 
 
 def response_mask(prompt_lens: list[int], response_lens: list[int], total_len: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from yatt.balance import DpPlan, dp_balance
 from yatt.config import BalanceConfig
 from yatt.controller import wire
-from yatt.controller.batch import Sample, mini_batch_bounds
+from yatt.controller.batch import Sample, mini_batch_bounds, skipped_counts
 from yatt.dist import mpi_arrive, mpi_comm
 
 
@@ -37,7 +37,10 @@ class Balanced:
     Attributes:
         samples: the samples this rank trains on, mini-batch by mini-batch, micro-batch by
             micro-batch (packed order).
-        splits: per mini-batch, its micro-batches as int64 index arrays into ``samples``.
+        splits: per mini-batch, its micro-batches as int64 index arrays into ``samples`` (none on a
+            rank that trains nothing of that mini-batch, when samples were left out).
+        skipped: per mini-batch, the response tokens and sequences of this rank's own samples that
+            ``keep`` left out (:func:`yatt.controller.batch.skipped_counts`; the loss normaliser's share).
         imbalance_before, imbalance_after: ``sum_m max_r C[m, r] / sum_m mean_r C[m, r]`` with
             ``C[m, r]`` rank r's cost in mini-batch m, for the rollout layout and the balanced one
             (1.0 = no rank waits; equals max/mean over ranks with one mini-batch).
@@ -45,6 +48,7 @@ class Balanced:
 
     samples: list[Sample]
     splits: list[list[np.ndarray]]
+    skipped: list[tuple[float, float]]
     imbalance_before: float
     imbalance_after: float
     _route: _Route
@@ -57,7 +61,7 @@ class Balanced:
                 (``R_j`` its response length), e.g. the trainer's response logprobs.
         Returns:
             one float32 array ``[R_i]`` per sample this rank passed to :meth:`DpBalancer.balance`,
-            in that original order.
+            in that original order (None for a sample ``keep`` left out).
         Raises:
             ValueError: wrong number of arrays or an array of the wrong length.
         """
@@ -112,13 +116,17 @@ class DpBalancer:
         self.cfg, self.token_budget, self.sample_type = cfg, token_budget, sample_type
         self.exchange = _Exchange(group, transport)
 
-    def balance(self, samples: list[Sample], mini_batches: int) -> Balanced:
+    def balance(self, samples: list[Sample], mini_batches: int, keep: list[bool] | None = None) -> Balanced:
         """Re-partition each mini-batch across the group and move the samples. Collective.
 
         Args:
             samples: this rank's samples (mini-batch ``m`` is the ``m``-th contiguous chunk, as in
                 :func:`yatt.controller.batch.mini_batch_bounds`).
             mini_batches: optimizer steps per epoch, the same on every rank.
+            keep: per sample, whether it is trained (None: all; see
+                :func:`yatt.algos.zero_signal.trained_mask`). The chunks are cut over every sample, as
+                without skipping; only the kept ones are balanced and moved, so a rank may train
+                nothing of a mini-batch (it still takes part in the optimizer step).
         Returns:
             :class:`Balanced`. Every mini-batch holds at least one sample on every rank: when a
             small step (ranks may even hold no samples, e.g. after dynamic sampling) cannot fill
@@ -127,8 +135,12 @@ class DpBalancer:
         """
         ex = self.exchange
         lengths = wire.lengths(samples)
-        every = ex.allgather(lengths)  # [n_d, 2] per rank: the only data every rank sees
-        lay = self._layout(every, _fillable(mini_batches, [len(x) for x in every], ex.size))
+        kept = np.ones(len(samples), dtype=np.int64) if keep is None else np.asarray(keep, dtype=np.int64)
+        meta = ex.allgather(np.column_stack([lengths, kept]))  # [n_d, 3] per rank: the only data every rank sees
+        every, keeps = [x[:, :2] for x in meta], [x[:, 2].astype(bool) for x in meta]
+        chunks = _fillable(mini_batches, [len(x) for x in every], ex.size)
+        bounds = [mini_batch_bounds(len(x), chunks) if chunks else [0] for x in every]
+        lay = self._layout(every, keeps, bounds)
         recv_pos = [np.nonzero(lay.src == p)[0] for p in range(ex.size)]
         recv_lens = [every[p][lay.src_local[pos]] for p, pos in enumerate(recv_pos)]
         cls = self.sample_type
@@ -139,18 +151,21 @@ class DpBalancer:
             for j, s in zip(pos, wire.unpack(buf, pr, cls)):
                 balanced[j] = s
         route = _Route(ex, lay.send, recv_pos, lengths[:, 1].copy())
-        return Balanced(balanced, lay.splits, _imbalance(lay.before), _imbalance(lay.after), route)
+        skipped = skipped_counts(samples, keep, bounds[ex.rank])
+        return Balanced(balanced, lay.splits, skipped, _imbalance(lay.before), _imbalance(lay.after), route)
 
-    def _layout(self, every: list[np.ndarray], mini_batches: int) -> _Layout:
-        """The plan of every mini-batch, seen from this rank (pure: the same inputs on every rank)."""
+    def _layout(self, every: list[np.ndarray], keeps: list[np.ndarray], bounds: list[list[int]]) -> _Layout:
+        """The plan of every mini-batch (rank ``d``'s chunk ``m``: its samples ``bounds[d][m]`` to
+        ``bounds[d][m + 1]`` that ``keeps[d]`` marks), seen from this rank (pure: the same inputs on
+        every rank)."""
         d_size, me = self.exchange.size, self.exchange.rank
-        bounds = [mini_batch_bounds(len(x), mini_batches) if mini_batches else [0] for x in every]
         lay = _Layout([], [], [], [[] for _ in range(d_size)], np.zeros(0, np.int64), np.zeros(0, np.int64))
         src, src_local = [lay.src], [lay.src_local]
-        for m in range(mini_batches):
-            owner = np.concatenate([np.full(b[m + 1] - b[m], d) for d, b in enumerate(bounds)]).astype(np.int64)
-            local = np.concatenate([np.arange(b[m], b[m + 1]) for b in bounds]).astype(np.int64)
-            lens = np.concatenate([x[b[m]:b[m + 1]].sum(axis=1) for x, b in zip(every, bounds)])
+        for m in range(len(bounds[0]) - 1):
+            chunk = [np.arange(b[m], b[m + 1])[k[b[m]:b[m + 1]]] for b, k in zip(bounds, keeps)]
+            owner = np.concatenate([np.full(len(c), d) for d, c in enumerate(chunk)]).astype(np.int64)
+            local = np.concatenate(chunk).astype(np.int64)
+            lens = np.concatenate([x[c].sum(axis=1) for x, c in zip(every, chunk)])
             plan = self._plan(lens)
             lay.before.append(np.bincount(owner, weights=plan.costs, minlength=d_size).astype(np.float64))
             lay.after.append(plan.rank_cost.astype(np.float64))

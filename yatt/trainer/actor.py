@@ -402,8 +402,10 @@ class MegatronPolicy:
         """One optimizer step on the sum of ``loss_fn`` over micro-batches and DP ranks.
 
         Args:
-            micro_batches: this DP rank's micro-batches (same on every TP rank), each a dict
-                with ``input_ids`` [B, T] int64 plus whatever ``loss_fn`` reads.
+            micro_batches: this DP rank's micro-batches (same on every TP rank and pipeline stage),
+                each a dict with ``input_ids`` [B, T] int64 plus whatever ``loss_fn`` reads; none:
+                this rank adds a zero gradient and still takes part in the DP reduction and the
+                optimizer step (Adam's moments move the weights even then).
             loss_fn: ``(logprobs [B, T] with grad, entropy [B, T] detached, mb) -> (loss 0-dim,
                 stats {name: 0-dim tensor})``; logprobs/entropy as in :meth:`compute_logprobs`.
             skip_update: called with the pre-clip global grad norm (the same on every rank)
@@ -415,17 +417,18 @@ class MegatronPolicy:
             (not reduced over DP).
         Raises:
             RuntimeError: the policy is frozen (``optim=None``).
-            ValueError: no micro-batches.
         """
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen MegatronPolicy (optim=None)")
-        if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch")
 
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run(micro_batches, loss_fn, forward_only=False)  # entropy has no grad
+        if micro_batches:
+            out = self._run(micro_batches, loss_fn, forward_only=False)  # entropy has no grad
+        else:  # the zeroed grads join the reduction the schedule would have finished
+            self.config.finalize_model_grads_func([self.model])
+            out = []
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = False
         if skip_update is not None:
