@@ -138,3 +138,34 @@ def test_policy_update_reduces_stats_over_steps_and_first_epoch():
                             guard=lambda norm: next(calls) % 2 == 1)  # skip every second step
     assert guarded["guard_skipped_updates"] == (3.0, 1.0) and guarded["grad_norm"] == (6.0, 3)
     assert guarded["pg_loss"] == (3.0, 12.0)  # skipped steps add nothing
+
+
+def test_phase_timer_warns_when_the_machine_runs_out_of_memory(monkeypatch, caplog):
+    """Under 5% of the machine's memory available, a phase says so once, by name, before the kernel's
+    OOM killer would end the rank silently; with memory to spare it says nothing."""
+    import threading
+
+    import psutil
+
+    from yatt.controller import metrics
+    from yatt.controller.metrics import PhaseTimer
+
+    total, left = 24 << 30, [12 << 30]
+    reads = threading.Semaphore(0)
+
+    class Counted(psutil.Process):
+        def memory_info(self):
+            reads.release()
+            return super().memory_info()
+
+    monkeypatch.setattr(metrics.psutil, "Process", Counted)
+    monkeypatch.setattr(metrics.psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=left[0]))
+    timer = PhaseTimer(interval_s=0.001)
+    with caplog.at_level("WARNING", logger="yatt"):
+        for phase, available in (("rollout", 12 << 30), ("train", 1 << 30)):  # 1 GiB of 24: under 5%
+            left[0] = available
+            with timer(phase):
+                for _ in range(4):  # several samples of each phase
+                    assert reads.acquire(timeout=60)
+    warnings = [r.getMessage() for r in caplog.records if "memory nearly exhausted" in r.getMessage()]
+    assert len(warnings) == 1 and "during phase train" in warnings[0] and "1.0 of 24.0 GiB left" in warnings[0]

@@ -6,6 +6,7 @@ is one all-reduce of a small tensor.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
@@ -16,10 +17,18 @@ import psutil
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger("yatt")
+LOW_MEMORY_FRACTION = 0.05  # of the machine's memory left available: warn before the OOM killer acts
+
 
 class PhaseTimer:
     """Wall-clock seconds (``time_<phase>_s``) and peak resident memory in GiB
     (``mem_peak_<phase>_gib``, sampled every ``interval_s`` by a background thread) per phase.
+
+    The same sampler warns (once per phase) when the machine's available memory falls under
+    :data:`LOW_MEMORY_FRACTION` of its total, naming the phase, this rank's resident memory and
+    what is left: the kernel's OOM killer ends a process without a word of its own (mpirun then
+    reports only "Killed (signal 9)").
     """
 
     def __init__(self, interval_s: float = 0.05, on_enter=None) -> None:
@@ -43,8 +52,11 @@ class PhaseTimer:
         proc, peak, done = psutil.Process(), [0], threading.Event()
 
         def sample() -> None:
+            warned = False
             while True:
                 peak[0] = max(peak[0], proc.memory_info().rss)
+                if not warned:
+                    warned = _warn_if_memory_low(phase, peak[0])
                 if done.wait(self.interval_s):
                     return
 
@@ -60,6 +72,19 @@ class PhaseTimer:
             peak[0] = max(peak[0], proc.memory_info().rss)
             key = f"mem_peak_{phase}_gib"
             self.peaks[key] = max(self.peaks.get(key, 0.0), peak[0] / 2**30)
+
+
+def _warn_if_memory_low(phase: str, rss: int) -> bool:
+    """Log a warning if the machine's available memory is under :data:`LOW_MEMORY_FRACTION` of its
+    total; returns whether it did."""
+    vm = psutil.virtual_memory()
+    if vm.available >= LOW_MEMORY_FRACTION * vm.total:
+        return False
+    log.warning("memory nearly exhausted during phase %s: this rank holds %.1f GiB, the machine has %.1f of %.1f GiB "
+                "left; the kernel may kill a rank (signal 9). Fewer ranks per machine, a smaller "
+                "trainer.micro_batch_tokens or rollout.kv_cache_memory_bytes, or checkpoint.async_save: false need less",
+                phase, rss / 2**30, vm.available / 2**30, vm.total / 2**30)
+    return True
 
 
 def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple[str, ...] = (),
