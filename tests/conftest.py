@@ -54,6 +54,38 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.unit)
 
 
+SHM = Path("/dev/shm")
+
+
+def _mpich_segments() -> set[Path]:
+    return set(SHM.glob("mpich_shm_*")) if SHM.is_dir() else set()
+
+
+def _mapped_segments() -> set[str]:
+    """The MPICH shared-memory files some live process maps."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/mpich_shm_" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return mapped
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leaked_shared_memory():
+    """Remove, at the end of the session, the MPICH shared-memory files (``/dev/shm``, RAM) that the
+    session's jobs left behind and no live process maps: a rank killed by a signal, as the resume and
+    watchdog tests kill them on purpose, never unlinks its segment (measured: 188 files, 381 MB after
+    a few suite runs on the dev machine)."""
+    before = _mpich_segments()
+    yield
+    mapped = _mapped_segments()
+    for f in _mpich_segments() - before:
+        if str(f) not in mapped:
+            f.unlink(missing_ok=True)
+
+
 def run_mpi(args: list[str], ranks: int, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
     """``mpirun -np ranks python *args`` from the repo root, one thread per rank; fails the test on a
     non-zero exit, with the output's tail. ``args`` is the argv after ``python`` (a script path or

@@ -1,8 +1,8 @@
 """Zero-signal samples left out of the update (yatt/algos/zero_signal.py): which configurations may
 skip, the policy losses' claim that a zero advantage adds no loss and no gradient, the mini-batches
 of the kept samples (cut as the full batch is cut) and the loss normaliser that still counts the
-left-out ones. The update's equality with the full batch's on the real policy under mpirun, with
-balancing: tests/mpi/zero_signal.py (in the shared 2-rank job, tests/test_balance_mpi.py)."""
+left-out ones. The update's equality with the full batch's under mpirun, with balancing:
+tests/mpi/zero_signal.py (in the shared 2-rank job)."""
 import re
 
 import pytest
@@ -109,9 +109,10 @@ def test_the_normaliser_counts_what_was_left_out():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_skipping_gives_the_full_batch_update_on_smollm2(shared_job):
-    """tests/mpi/zero_signal.py in the shared 2-rank job: grad norms and weights equal the full
-    batch's for GRPO (including a step that leaves every sample out) and with a KL term."""
+def test_skipping_gives_the_full_batch_update(shared_job):
+    """tests/mpi/zero_signal.py in the shared 2-rank job (a tiny Llama in SmolLM2's shape; the script
+    runs SmolLM2 itself with ``smollm2``): grad norms and weights equal the full batch's for GRPO
+    (including a step that leaves every sample out) and with a KL term."""
     out = shared_job("ranks_2")
     assert out.count("zero_signal OK") == 2, out[-3000:]
     lines = re.findall(r"rank \d kl_coef (\S+) step (\d): .* left out (\d) of 6", out)

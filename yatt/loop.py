@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from yatt.algos.estimators import outcome_advantages
 from yatt.algos.reward_norm import normalize_rewards
-from yatt.algos.zero_signal import trained_mask
 from yatt.algos.update import compute_logprobs, compute_values, critic_update, finish_advantages, policy_update
+from yatt.algos.zero_signal import trained_mask
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints
 from yatt.checkpoint.saver import CheckpointWriteError
 from yatt.checkpoint.triggers import Preempted
@@ -183,7 +183,8 @@ def _sample_round(job: Job, step: int, round_: int, timer: PhaseTimer, sums: dic
     return groups, rewards
 
 
-def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer, sums: dict):
+def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer,
+                sums: dict) -> tuple[list[list[dict]], list[tuple[float, float]]]:
     """The step's samples with their outcome advantages (on the rank that owns each whole group, of
     the rewards as ``algo.reward_norm`` and ``algo.reward_clip`` make them; collective over the
     trainers), shared over the model replica, the zero-signal ones left out
@@ -194,12 +195,12 @@ def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer,
     scores = normalize_rewards(rewards, a.reward_norm, a.reward_clip, job.placement.train_group)
     samples = make_samples([g.row for g in groups], [g.completions for g in groups], [x for r in rewards for x in r],
                            outcome_advantages(job.estimator, scores))
-    first = True  # of its model replica, which counts the replica's left-out samples once
+    counts = True  # this rank counts its replica's left-out samples (its first rank does)
     if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
-        samples, first = _gather(samples, job.mp_group, t.tp * t.pp), dist.get_rank(job.mp_group) == 0
+        samples, counts = _gather(samples, job.mp_group, t.tp * t.pp), dist.get_rank(job.mp_group) == 0
     keep = trained_mask(a, [s.advantage for s in samples])
     if keep is not None:
-        left = [s for s, k in zip(samples, keep) if not k] if first else []
+        left = [s for s, k in zip(samples, keep) if not k] if counts else []
         sums.update(samples_skipped=(float(len(left)), 1.0), tokens_skipped=(float(sum(s.length for s in left)), 1.0))
     with timer("balance"):
         return _mini_batches(samples, keep, job.balancer, job.cfg, job.tokenizer.pad_token_id, sums)

@@ -128,10 +128,11 @@ class DpBalancer:
                 without skipping; only the kept ones are balanced and moved, so a rank may train
                 nothing of a mini-batch (it still takes part in the optimizer step).
         Returns:
-            :class:`Balanced`. Every mini-batch holds at least one sample on every rank: when a
-            small step (ranks may even hold no samples, e.g. after dynamic sampling) cannot fill
-            ``mini_batches`` chunks with one sample per rank each, fewer mini-batches are formed
-            (the same number on every rank), none when the group holds fewer samples than ranks.
+            :class:`Balanced`. Every mini-batch holds at least one sample on every rank (before
+            ``keep`` leaves any out): when a small step (ranks may even hold no samples, e.g. after
+            dynamic sampling) cannot fill ``mini_batches`` chunks with one sample per rank each,
+            fewer mini-batches are formed (the same number on every rank), none when the group
+            holds fewer samples than ranks.
         """
         ex = self.exchange
         lengths = wire.lengths(samples)
