@@ -214,6 +214,10 @@ class TrainerConfig(_Section):
     tp: int = Field(1, gt=0, description="tensor-parallel size of the trainer")
     pp: int = Field(1, gt=0, description="pipeline stages (must divide the layers); DP = world / (tp * pp)")
     micro_batch_tokens: int = Field(4096, gt=0, description="token budget of one micro-batch")
+    packing: Literal["padded", "packed", "shared_prompt"] = Field("shared_prompt",
+        description="what the model body runs per micro-batch: padded rows; packed rows (several samples per row, "
+                    "attention kept inside each); or packed rows with each prompt once, followed by its responses "
+                    "in the micro-batch (each attending to the prompt and itself). Same logprobs to fp32 rounding")
     lr: float = Field(1e-6, gt=0, description="peak learning rate (AdamW)")
     min_lr: float = Field(0.0, ge=0, description="learning rate at the end of the cosine decay")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")

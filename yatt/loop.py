@@ -260,15 +260,27 @@ def _mini_batches(samples, keep: list[bool] | None, balancer: DpBalancer | None,
     ``dp_imbalance_before``, ``dp_imbalance_after`` and ``update_skipped`` to ``sums``), or of its
     own samples when balancing is off."""
     m = cfg.algo.mini_batches
+    packing = cfg.trainer.packing
     if balancer is None:
-        minis = make_mini_batches(samples, m, cfg.trainer.micro_batch_tokens, pad_id, keep)
-        return minis, skipped_counts(samples, keep, mini_batch_bounds(len(samples), m))
-    bal = balancer.balance(samples, m, keep)
-    if not bal.splits:
-        log.warning("fewer samples than DP ranks this step (dynamic sampling cap?): no update")
-    sums["update_skipped"] = (float(not bal.splits), 1.0)
-    sums.update(dp_imbalance_before=(bal.imbalance_before, 1.0), dp_imbalance_after=(bal.imbalance_after, 1.0))
-    return [pack_micro_batches(bal.samples, split, pad_id) for split in bal.splits], bal.skipped
+        minis = make_mini_batches(samples, m, cfg.trainer.micro_batch_tokens, pad_id, keep, packing)
+        skipped = skipped_counts(samples, keep, mini_batch_bounds(len(samples), m))
+    else:
+        bal = balancer.balance(samples, m, keep)
+        if not bal.splits:
+            log.warning("fewer samples than DP ranks this step (dynamic sampling cap?): no update")
+        sums["update_skipped"] = (float(not bal.splits), 1.0)
+        sums.update(dp_imbalance_before=(bal.imbalance_before, 1.0), dp_imbalance_after=(bal.imbalance_after, 1.0))
+        minis, skipped = [pack_micro_batches(bal.samples, split, pad_id, packing) for split in bal.splits], bal.skipped
+    sums.update(_body_sums([mb for mbs in minis for mb in mbs]))
+    return minis, skipped
+
+
+def _body_sums(micro_batches: list[dict]) -> dict[str, tuple[float, float]]:
+    """``pad_frac`` (padding share of the rows the model body runs) and ``body_tokens_vs_padded``
+    (their size against the padded rows': what ``trainer.packing`` saves) over this rank's micro-batches."""
+    real, ran = (float(sum(int(mb["body_tokens"][i]) for mb in micro_batches)) for i in (0, 1))
+    return {"pad_frac": (ran - real, ran), "body_tokens_vs_padded": (ran, float(sum(mb["input_ids"].numel()
+                                                                                 for mb in micro_batches)))}
 
 
 def _wait_for_peers() -> float:

@@ -169,6 +169,57 @@ def padded_micro_batches(lengths: list[list[int]], vocab: int, seed: int) -> lis
     return mbs
 
 
+def group_samples(vocab: int, seed: int) -> list:
+    """3 prompts x 3 responses (one empty), random ids, lengths 1-9, advantages +-1: samples
+    (:class:`yatt.controller.batch.Sample`) for packed micro-batches; split them as
+    :data:`GROUP_SPLIT` to put one group's samples into two micro-batches."""
+    from yatt.controller.batch import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g, (plen, rlens) in enumerate([(5, (2, 6, 1)), (7, (9, 0, 3)), (4, (3, 5, 1))]):
+        prompt = torch.randint(1, vocab, (plen,), generator=gen).tolist()
+        for k, rlen in enumerate(rlens):
+            r = torch.randint(1, vocab, (rlen,), generator=gen).tolist()
+            out.append(Sample(prompt, r, [0.0] * rlen, "stop", 1.0, 1.0 if (g + k) % 2 else -1.0))
+    return out
+
+
+GROUP_SPLIT = [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+PACKING_ATOL = 2e-5  # packed vs padded rows, fp32 (measured max |diff|: see the jobs' lines)
+
+
+def pg_loss(logprobs, entropy, mb):
+    """A policy-gradient-like loss on response tokens (advantages +-1) with an entropy term."""
+    mask = mb["response_mask"]
+    loss = -(logprobs * mask * mb["advantages"]).sum() + 0.1 * (entropy * mask).sum()
+    return loss, {"loss": loss.detach()}
+
+
+def packed_vs_padded(model, rank: int, what: str) -> None:
+    """Every ``trainer.packing`` layout gives the padded rows' outputs (a policy: logprobs,
+    entropies and the grad norm of :func:`pg_loss`, the update skipped; a critic: values)."""
+    from yatt.controller.batch import pack_micro_batches
+    from yatt.trainer.packing import MODES
+
+    samples = group_samples(99, seed=7)
+    out = {}
+    for mode in MODES:
+        mbs = pack_micro_batches(samples, GROUP_SPLIT, pad_id=0, packing=mode)
+        if hasattr(model, "compute_values"):
+            out[mode] = ([v for v in model.compute_values(mbs)], None)
+        else:
+            norm = model.train_step(mbs, pg_loss, skip_update=lambda n: True)["grad_norm"]
+            out[mode] = ([t for pair in model.compute_logprobs(mbs) for t in pair], norm)
+    ref, ref_norm = out["padded"]
+    for mode in MODES[1:]:
+        diff = max((a - b).abs().max().item() for a, b in zip(out[mode][0], ref))
+        print(f"[rank {rank}] {what} {mode} vs padded: max|diff| {diff:.1e}"
+              + (f", grad_norm {out[mode][1]:.6f} vs {ref_norm:.6f}" if ref_norm else ""), flush=True)
+        assert diff < PACKING_ATOL, (mode, diff)
+        assert ref_norm is None or abs(out[mode][1] - ref_norm) <= 1e-5 * ref_norm, (mode, out[mode][1], ref_norm)
+
+
 def check_tp(rank: int) -> None:
     """TP=3 on a tiny Llama in SmolLM2's layout (test_trainer checks SmolLM2 itself at TP=1)."""
     import tempfile
@@ -196,6 +247,7 @@ def check_tp(rank: int) -> None:
     stats = policy.train_step(mbs, sum_logprob_loss)
     print(f"[rank {rank}] TP=3 grad_norm {stats['grad_norm']:.6f} vs HF {ref:.6f}", flush=True)
     assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
+    packed_vs_padded(policy, rank, "TP=3 policy")
     check_tiny_qwen2_tp(rank)
 
 
@@ -296,6 +348,7 @@ def check_critic(rank: int, tp: int, pp: int) -> None:
           f"vs HF {ref:.6f}", flush=True)
     assert diff < VALUE_ATOL, diff
     assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
+    packed_vs_padded(critic, rank, f"critic TP={tp} PP={pp}")
 
 
 def check_dp(rank: int) -> None:

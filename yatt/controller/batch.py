@@ -1,8 +1,9 @@
 """A rank's rollout samples and their packing into trainer micro-batches.
 
 One :class:`Sample` is one response to one prompt. Micro-batches are right-padded
-``prompt + response`` rows; which samples share one is decided by the C++ balancer
-(:func:`yatt.balance.split_micro_batches` or :func:`yatt.balance.dp_balance`).
+``prompt + response`` rows (what the losses read), and with ``trainer.packing`` also the packed
+rows the model body runs instead (:mod:`yatt.trainer.packing`); which samples share one is decided
+by the C++ balancer (:func:`yatt.balance.split_micro_batches` or :func:`yatt.balance.dp_balance`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from yatt.balance import split_micro_batches
 from yatt.controller import wire
+from yatt.trainer.packing import pack_rows
 
 
 @dataclass
@@ -32,18 +34,22 @@ class Sample:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-def pack_micro_batches(samples: list[Sample], groups, pad_id: int) -> list[dict]:
+def pack_micro_batches(samples: list[Sample], groups, pad_id: int, packing: str = "padded") -> list[dict]:
     """Pack samples into one micro-batch per group of indices.
 
     Args:
         samples: the samples the indices point into.
         groups: index lists/arrays into ``samples``, one per micro-batch (empty ones are skipped).
         pad_id: token id filling each row after its sequence.
+        packing: ``trainer.packing``: ``"padded"`` (the model runs the padded rows), ``"packed"`` or
+            ``"shared_prompt"`` (it runs packed rows, :func:`yatt.trainer.packing.pack_rows`).
     Returns:
         list of dicts with ``input_ids`` long ``[B, T]`` (pad: ``pad_id``), ``response_mask``
         float ``[B, T]``, ``rollout_logprobs`` float ``[B, T]`` (aligned with the token they
-        score, 0 outside responses), ``advantages`` float ``[B, 1]`` and ``index`` long ``[B]``
-        (positions in ``samples``).
+        score, 0 outside responses), ``advantages`` float ``[B, 1]``, ``index`` long ``[B]``
+        (positions in ``samples``) and ``body_tokens`` long ``[2]`` (the sample tokens and the
+        tensor size the model body runs: padding is their difference); when packed, also
+        :func:`~yatt.trainer.packing.pack_rows`' ``packed_*`` tensors.
     """
     out = []
     for idx in groups:
@@ -58,13 +64,18 @@ def pack_micro_batches(samples: list[Sample], groups, pad_id: int) -> list[dict]
             p, r = len(s.prompt_ids), len(s.response_ids)
             ids[b, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
             lps[b, p : p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-        out.append({
+        mb = {
             "input_ids": ids,
             "response_mask": response_mask([len(s.prompt_ids) for s in rows], [len(s.response_ids) for s in rows], width),
             "rollout_logprobs": lps,
             "advantages": torch.tensor([[s.advantage] for s in rows], dtype=torch.float32),
             "index": torch.tensor(idx, dtype=torch.long),
-        })
+            "body_tokens": torch.tensor([sum(s.length for s in rows), ids.numel()]),
+        }
+        if packing != "padded":
+            mb.update(pack_rows([s.prompt_ids for s in rows], [s.response_ids for s in rows], width, packing))
+            mb["body_tokens"] = torch.tensor([int((mb["packed_segments"] >= 0).sum()), mb["packed_ids"].numel()])
+        out.append(mb)
     return out
 
 
@@ -98,7 +109,7 @@ def mini_batch_bounds(n: int, mini_batches: int) -> list[int]:
 
 
 def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: int, pad_id: int,
-                      keep: list[bool] | None = None) -> list[list[dict]]:
+                      keep: list[bool] | None = None, packing: str = "padded") -> list[list[dict]]:
     """Split samples into ``mini_batches`` contiguous chunks, each split into micro-batches of at
     most ``token_budget`` tokens (:func:`yatt.balance.split_micro_batches`) and packed.
 
@@ -107,6 +118,7 @@ def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: in
             :func:`yatt.algos.zero_signal.trained_mask`). The chunks are cut over every sample, as
             without skipping, and the left-out ones then dropped, so each optimizer step sees the
             samples it would see in the full batch (a chunk may become empty: no micro-batch).
+        packing: as :func:`pack_micro_batches`.
     Returns:
         per mini-batch, its micro-batch dicts (:func:`~yatt.controller.batch.pack_micro_batches`;
         ``index`` points into ``samples``).
@@ -120,7 +132,7 @@ def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: in
     for a, b in zip(bounds[:-1], bounds[1:]):
         idx = [i for i in range(a, b) if keep is None or keep[i]]
         groups = split_micro_batches([samples[i].length for i in idx], token_budget)
-        out.append(pack_micro_batches(samples, [[idx[j] for j in g] for g in groups], pad_id))
+        out.append(pack_micro_batches(samples, [[idx[j] for j in g] for g in groups], pad_id, packing))
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from yatt.trainer import megatron_cpu
+from yatt.trainer import megatron_cpu, packing
 from yatt.trainer.model import build_gpt_model
 
 _PADDED_LOGIT = -1e30  # logit of vocab padding rows: exp() underflows to exactly 0
@@ -184,6 +184,11 @@ def _last_stage() -> tuple[int, object]:
     return parallel_state.get_pipeline_model_parallel_last_rank(), parallel_state.get_pipeline_model_parallel_group()
 
 
+def _body_ids(mb: dict) -> torch.Tensor:
+    """The token rows the model body runs for a micro-batch: packed if it has them, else padded."""
+    return mb["packed_ids"] if "packed_ids" in mb and "response_mask" in mb else mb["input_ids"]
+
+
 def _shift_right(x: torch.Tensor) -> torch.Tensor:
     """[B, T] scores at the predicting position -> at the predicted token (0 at t = 0)."""
     return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
@@ -317,17 +322,25 @@ class MegatronPolicy:
         device = self._device
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         ids = mb["input_ids"]
-        position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         select = _scored_positions(mb)
-        hook = None
+        hooks = []
+        if select is not None and "packed_ids" in mb:  # the body runs packed rows (yatt.trainer.packing)
+            ids, position_ids = mb["packed_ids"], mb["packed_positions"]
+            mask = packing.attention_mask(mb["packed_segments"], mb["packed_branches"])
+            hooks.append(self.module.rotary_pos_emb.register_forward_hook(packing.rope_at_positions(position_ids)))
+            flat = mb["packed_index"][select]  # the scored positions in the packed rows
+            hidden_at = (flat // ids.shape[1], flat % ids.shape[1])
+        else:
+            position_ids, mask, hidden_at = torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None, select
         if select is not None and self.last_stage:  # the output layer runs on scored positions only
-            hook = self.module.output_layer.register_forward_pre_hook(partial(_select_hidden, select), with_kwargs=True)
+            hooks.append(self.module.output_layer.register_forward_pre_hook(partial(_select_hidden, hidden_at),
+                                                                            with_kwargs=True))
         try:
             # last stage: logits [B, T, Vp/tp], or [1, N, Vp/tp] when selected; other stages:
             # hidden states for the next stage (input_ids are read by the first stage only)
-            logits = model(ids, position_ids, None)
+            logits = model(ids, position_ids, mask)
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
         return logits, partial(self._loss, loss_fn, mb, select)
 
@@ -352,8 +365,8 @@ class MegatronPolicy:
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micro_batches),
             model=[self.model], num_microbatches=len(micro_batches),
-            seq_length=max(mb["input_ids"].shape[1] for mb in micro_batches),
-            micro_batch_size=max(mb["input_ids"].shape[0] for mb in micro_batches),
+            seq_length=max(_body_ids(mb).shape[1] for mb in micro_batches),
+            micro_batch_size=max(_body_ids(mb).shape[0] for mb in micro_batches),
             forward_only=forward_only)
 
     def compute_logprobs(self, micro_batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -363,7 +376,10 @@ class MegatronPolicy:
             micro_batches: dicts with ``input_ids`` [B, T] int64 (right-padded, causal,
                 positions 0..T-1) and optionally ``response_mask`` [B, T]: then only the
                 masked tokens are scored (the output layer runs on those positions alone) and
-                every other position is 0. Other keys are ignored.
+                every other position is 0. With ``response_mask``, micro-batches that carry
+                :func:`yatt.trainer.packing.pack_rows`' ``packed_*`` tensors run the model body on
+                those packed rows instead of the padded ones (same results to fp32 rounding).
+                Other keys are ignored.
         Returns:
             One (logprobs [B, T] fp32, entropy [B, T] fp32) per micro-batch, on the model's
             device, identical on all TP ranks and pipeline stages. For t >= 1
