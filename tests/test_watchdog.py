@@ -256,13 +256,38 @@ def run_job(args: list[str], ranks: int, mpi: bool = True, wait_for: list[int] |
     return [procs[i].returncode for i in wait_for], stdout, stderr, end
 
 
+# The real jobs, by test: (script arguments, ranks, run_job options). They mostly wait (for a timeout,
+# in sleeps), so they run at the same time, started together by the first test that needs one.
+JOBS = {
+    "test_job_ends_when_a_rank_hangs": (["hang", "1"], 2, {}),
+    "test_job_ends_when_rank_0_hangs": (["hang", "0"], 2, {}),
+    "test_job_ends_when_a_rank_is_killed": (["kill", "1"], 2, {}),
+    "test_clean_job_has_no_false_alarm": (["clean", "1"], 2, {}),
+    "test_without_mpi_rank_0_report_reaches_the_other_ranks": (["hang", "2"], 3, {"mpi": False, "wait_for": [0, 1]}),
+}
+
+
+@pytest.fixture(scope="module")
+def job_results(request):
+    """``job_results(test name) -> run_job's result`` of that test's :data:`JOBS` entry. The jobs of
+    every selected test of this module start together on first use, each awaited by a thread of
+    its own (its end time is its own); a job's failure is raised in its test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = [name for name in JOBS if any(item.name == name for item in request.session.items)]
+    with ThreadPoolExecutor(max(len(selected), 1)) as pool:
+        futures = {name: pool.submit(run_job, [*JOBS[name][0], str(TIMEOUT)], JOBS[name][1], **JOBS[name][2])
+                   for name in selected}
+        yield lambda name: futures[name].result()
+
+
 def _detection_s(stdout: str, end: float) -> float:
     return end - float(re.search(r"stopping at (\d+\.\d{3})", stdout).group(1))
 
 
 @pytest.mark.mpi
-def test_job_ends_when_a_rank_hangs():
-    codes, out, err, end = run_job(["hang", "1", str(TIMEOUT)], 2)
+def test_job_ends_when_a_rank_hangs(job_results):
+    codes, out, err, end = job_results("test_job_ends_when_a_rank_hangs")
     took = _detection_s(out, end)
     print(f"rank 1 hung: job ended {took:.1f} s later")
     assert codes == [EXIT_RANK_LOST], (codes, err[-3000:])
@@ -272,8 +297,8 @@ def test_job_ends_when_a_rank_hangs():
 
 
 @pytest.mark.mpi
-def test_job_ends_when_rank_0_hangs():
-    codes, out, err, end = run_job(["hang", "0", str(TIMEOUT)], 2)
+def test_job_ends_when_rank_0_hangs(job_results):
+    codes, out, err, end = job_results("test_job_ends_when_rank_0_hangs")
     took = _detection_s(out, end)
     print(f"rank 0 hung: job ended {took:.1f} s later")
     assert codes == [EXIT_RANK_LOST], (codes, err[-3000:])
@@ -287,8 +312,8 @@ def test_job_ends_when_rank_0_hangs():
 
 
 @pytest.mark.mpi
-def test_job_ends_when_a_rank_is_killed():
-    codes, out, err, end = run_job(["kill", "1", str(TIMEOUT)], 2)
+def test_job_ends_when_a_rank_is_killed(job_results):
+    codes, out, err, end = job_results("test_job_ends_when_a_rank_is_killed")
     took = _detection_s(out, end)
     print(f"rank 1 killed: job ended {took:.1f} s later")
     assert codes[0] != 0 and took < TIMEOUT + SLACK, (codes, took)
@@ -296,18 +321,18 @@ def test_job_ends_when_a_rank_is_killed():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_clean_job_has_no_false_alarm():
-    codes, out, err, _ = run_job(["clean", "1", str(TIMEOUT)], 2)
+def test_clean_job_has_no_false_alarm(job_results):
+    codes, out, err, _ = job_results("test_clean_job_has_no_false_alarm")
     assert codes == [0] and out.count("clean OK") == 2, (codes, out[-2000:], err[-3000:])
     assert "aborting the job" not in err, err[-3000:]
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_without_mpi_rank_0_report_reaches_the_other_ranks():
+def test_without_mpi_rank_0_report_reaches_the_other_ranks(job_results):
     """torchrun-style launch (os._exit, no MPI_Abort): rank 2 hangs, rank 0 flags it, rank 1 (asleep,
     not in a collective) exits on rank 0's abort note; the frozen rank is the launcher's to kill."""
-    codes, out, err, end = run_job(["hang", "2", str(TIMEOUT)], 3, mpi=False, wait_for=[0, 1])
+    codes, out, err, end = job_results("test_without_mpi_rank_0_report_reaches_the_other_ranks")
     took = _detection_s(out, end)
     print(f"rank 2 hung (no MPI): ranks 0 and 1 exited {took:.1f} s later")
     assert codes == [EXIT_RANK_LOST, EXIT_RANK_LOST], (codes, err[-3000:])
