@@ -101,7 +101,8 @@ def tiny_judge(tmp_path_factory) -> Path:
 # Each placement run also trains with another algorithm (their math: test_policy_loss, test_token_advantages).
 ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward=0.05",  # + a reference model
                       "algo.kl_target=0.01", "algo.kl_horizon=8"],  # adaptive: 8 samples a step, a full correction
-         "partial_colocate": ["algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean"],
+         "partial_colocate": ["algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean",
+                              "placement.keep_engines=always"],  # colocate decides (auto, the default)
          "disaggregated": ["algo.policy_loss=dual_clip", "algo.loss_agg=seq_mean_token_sum_norm",
                            "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true",  # PPO's critic
                            "algo.reward_norm=batch", "algo.reward_clip=5"]}  # whitened over the trainer subgroup
@@ -132,7 +133,7 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
     if mode != "colocate":
         keys += ["genrm_queue_tokens_max", "genrm_queue_groups_max", "genrm_queue_tokens_mean"]
     if mode != "disaggregated":
-        keys += ["time_engines_s"]  # CPU: engines torn down and rebuilt to release memory
+        keys += ["time_engines_s", "engines_resident"]  # CPU: engines torn down and rebuilt, or kept
     if critic:
         keys += CRITIC + ["time_critic_s"]
     for record in train:
@@ -149,6 +150,12 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
             assert record["idle_rank_s"][1] > record["time_train_s"] * 0.5
             assert record["grad_norm"] > 0  # the entropy bonus has a gradient even where every advantage is 0
             assert record["critic_grad_norm"] > 0 and record["entropy_bonus"] > 0
+    if mode == "partial_colocate":  # kept from the start: the final eval releases them all first
+        assert [r["engines_resident"] for r in train] == [1.0, 1.0]
+    if mode == "colocate":  # auto: step 1 releases and measures, then the logged decision holds
+        resident = "placement: engines stay resident from the next step" in proc.stderr
+        assert resident or "placement: engines are released between phases" in proc.stderr, proc.stderr[-3000:]
+        assert [r["engines_resident"] for r in train] == [0.0, float(resident)]
     if mode == "colocate":  # the adaptive KL coefficient: step 1's KL is 0 (policy = reference), under target
         assert [r["kl_coef_current"] for r in train] == [pytest.approx(0.05), pytest.approx(0.05 * 0.8)]
     if mode == "colocate":  # rank 0 judges too

@@ -177,3 +177,64 @@ def test_engine_slot_reaches_the_engine_inside_a_judge():
     slot.build_now()
     slot.sleep()
     assert slot.asleep and log == ["build", "sleep"]
+
+
+# ---------------------------------------------------------------- engines resident (CPU)
+GIB = 2**30
+
+
+def test_engines_stay_resident_only_where_every_machine_keeps_its_reserve():
+    from yatt.placement.residency import engines_fit
+
+    # two ranks per machine, 1 GiB of engines each; 16 GiB machines: 10% = 1.6 GiB must stay free
+    fit, account = engines_fit([("a", GIB, 3.7 * GIB, 16 * GIB), ("a", GIB, 3.9 * GIB, 16 * GIB)])
+    assert fit and account == "a: 2.00 GiB of engines, 3.7 of 16.0 GiB left at the step's low point"
+    assert not engines_fit([("a", GIB, 3.5 * GIB, 16 * GIB), ("a", GIB, 3.9 * GIB, 16 * GIB)])[0]  # lowest counts
+    # one machine short is enough to release everywhere
+    assert not engines_fit([("a", GIB, 8 * GIB, 16 * GIB), ("b", GIB, 2 * GIB, 16 * GIB)])[0]
+    assert engines_fit([("a", 0, 1.7 * GIB, 16 * GIB)])[0]
+
+
+@pytest.mark.parametrize("keep, expected", [
+    ("never", ["build rollout"] + ["shutdown rollout", "build judge", "shutdown judge", "build rollout"] * 2),
+    ("always", ["build rollout", "build judge"]),  # built once, kept
+    ("auto", ["build rollout", "shutdown rollout", "build judge", "shutdown judge", "build rollout",  # measured
+              "build judge"]),  # then kept: the step's low point left the whole machine free
+])
+def test_colocated_engines_are_released_or_kept(keep, expected):
+    """Colocate with a GenRM judge on CPU: per step, rollout, judge, then the weight push."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from yatt.placement.runner import Placement
+
+    log: list = []
+
+    class Engine(_RecordingEngine):
+        def __init__(self, name):
+            self.name = name
+            super().__init__(log, False)
+            log[-1] = f"build {name}"
+
+        def shutdown(self):
+            log.append(f"shutdown {self.name}")
+
+        def generate(self, prompts, spec):
+            return [[] for _ in prompts]
+
+        def update_weights(self, weights):
+            list(weights)
+
+    cfg = SimpleNamespace(placement=SimpleNamespace(mode="colocate", genrm_ranks=1, auto_repeats=1, keep_engines=keep),
+                          trainer=SimpleNamespace(sync_bucket_mb=1), seed=0)
+    scorer = SimpleNamespace(uses_genrm=True, make_judge=lambda seed: SimpleNamespace(engine=Engine("judge"), seed=0),
+                             judge_groups=lambda judge, groups: None)
+    actor = SimpleNamespace(export_hf_weights=lambda bucket: iter([]))
+    placement = Placement(cfg, 0, 1, build_rollout=lambda: Engine("rollout"), scorer=scorer, decode=str, gpu=False)
+    placement.start()
+    for _ in range(2):
+        placement.rollout_and_score([SimpleNamespace(prompt_ids=[1])], SimpleNamespace(seed=0), actor)
+        placement.sync(actor)
+        placement.end_step(1.0, avail_min=psutil.virtual_memory().total)
+    assert log == expected

@@ -95,6 +95,10 @@ class PlacementConfig(_Section):
     genrm_ranks: int | Literal["auto"] = Field(1,
         description="GenRM ranks of a split placement; auto: ternary search of the split (partial_colocate)")
     auto_repeats: int = Field(1, gt=0, description="steps measured per candidate split under auto")
+    keep_engines: Literal["auto", "always", "never"] = Field("auto",
+        description="CPU, colocate with GenRM and partial_colocate: keep engines built between the phases that use "
+                    "them instead of tearing them down and rebuilding them; auto: after the first step, if the "
+                    "machine's memory holds them with 10% to spare (GPU: vLLM sleep mode, always)")
 
 
 class AlgoConfig(_Section):

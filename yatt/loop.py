@@ -216,7 +216,7 @@ def _record(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> di
                                                   max_prefixes=("time_", "mem_peak_"))}
     record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
     record.update(_idle_record(idle))
-    job.placement.end_step(record["time_rollout_genrm_s"])
+    job.placement.end_step(record["time_rollout_genrm_s"], timer.avail_min)
     job.writer.write(record)
     if job.info.rank == 0:
         tqdm.write(_line(record))

@@ -25,7 +25,8 @@ class PhaseTimer:
     """Wall-clock seconds (``time_<phase>_s``) and peak resident memory in GiB
     (``mem_peak_<phase>_gib``, sampled every ``interval_s`` by a background thread) per phase.
 
-    The same sampler warns (once per phase) when the machine's available memory falls under
+    The same sampler keeps the machine's lowest available memory over all phases
+    (``avail_min``, bytes) and warns (once per phase) when it falls under
     :data:`LOW_MEMORY_FRACTION` of its total, naming the phase, this rank's resident memory and
     what is left: the kernel's OOM killer ends a process without a word of its own (mpirun then
     reports only "Killed (signal 9)").
@@ -34,6 +35,7 @@ class PhaseTimer:
     def __init__(self, interval_s: float = 0.05, on_enter=None) -> None:
         self.times: dict[str, float] = {}
         self.peaks: dict[str, float] = {}
+        self.avail_min = math.inf
         self.interval_s = interval_s
         self.on_enter = on_enter  # called with the phase name as it starts (e.g. the watchdog's phase)
 
@@ -44,6 +46,7 @@ class PhaseTimer:
             self.times[k] = self.times.get(k, 0.0) + v
         for k, v in other.peaks.items():
             self.peaks[k] = max(self.peaks.get(k, 0.0), v)
+        self.avail_min = min(self.avail_min, other.avail_min)
 
     @contextmanager
     def __call__(self, phase: str):
@@ -55,8 +58,10 @@ class PhaseTimer:
             warned = False
             while True:
                 peak[0] = max(peak[0], proc.memory_info().rss)
+                vm = psutil.virtual_memory()
+                self.avail_min = min(self.avail_min, vm.available)
                 if not warned:
-                    warned = _warn_if_memory_low(phase, peak[0])
+                    warned = _warn_if_memory_low(phase, peak[0], vm)
                 if done.wait(self.interval_s):
                     return
 
@@ -74,10 +79,9 @@ class PhaseTimer:
             self.peaks[key] = max(self.peaks.get(key, 0.0), peak[0] / 2**30)
 
 
-def _warn_if_memory_low(phase: str, rss: int) -> bool:
-    """Log a warning if the machine's available memory is under :data:`LOW_MEMORY_FRACTION` of its
-    total; returns whether it did."""
-    vm = psutil.virtual_memory()
+def _warn_if_memory_low(phase: str, rss: int, vm) -> bool:
+    """Log a warning if the machine's available memory (``vm``: ``psutil.virtual_memory()``) is
+    under :data:`LOW_MEMORY_FRACTION` of its total; returns whether it did."""
     if vm.available >= LOW_MEMORY_FRACTION * vm.total:
         return False
     log.warning("memory nearly exhausted during phase %s: this rank holds %.1f GiB, the machine has %.1f of %.1f GiB "

@@ -12,6 +12,13 @@ reduced rollout + GenRM time for the split search. Which engines live when:
   training, which owns all ranks.
 - ``disaggregated``: samplers keep the rollout engine and GenRM ranks the judge for the run.
 
+On CPU (``placement.keep_engines``) colocated engines stay resident instead of being released
+when memory allows: ``auto`` decides after the first step, which releases and measures
+(:mod:`yatt.placement.residency`); the choice is logged and reported as ``engines_resident``.
+Builds and teardowns stay collective: they happen at the same points on every rank (with
+partial colocation every rank holds its role's engine, and a new split or an evaluation
+releases them all first).
+
 "Release" and "wake" are :class:`~yatt.placement.slots.EngineSlot` calls: vLLM sleep mode on
 GPU (then every rank builds all the engines it may need once, at start: building is
 collective), engine teardown and rebuild on CPU, at the same points on every rank. On GPU the
@@ -20,15 +27,19 @@ rollout engine also sleeps while its rank trains.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 from yatt.controller.metrics import PhaseTimer
 from yatt.placement.plan import Roles, plan_roles, route
+from yatt.placement.residency import RESERVE_FRACTION, engines_fit, gather_reports
 from yatt.placement.search import SplitSearch
 from yatt.placement.slots import EngineSlot
 from yatt.placement.stream import StreamReceiver, StreamSender
+
+log = logging.getLogger("yatt")
 
 
 @dataclass
@@ -87,6 +98,8 @@ class Placement:
         self.rollout = EngineSlot(build_rollout)  # this rank's policy engine
         judge_seed = cfg.seed * 7919 + rank
         self.judge = EngineSlot(lambda: scorer.make_judge(seed=judge_seed))  # GenRMJudge + its engine
+        # keep released engines resident (CPU): True, False, or None = decide after the first step
+        self.keep = False if gpu else {"always": True, "never": False, "auto": None}[p.keep_engines]
         self.train_group = None  # None: Megatron's data-parallel group (every rank trains)
         if p.mode == "disaggregated":
             import torch.distributed as dist
@@ -130,6 +143,24 @@ class Placement:
         self.rollout.close()
         self.judge.close()
 
+    @property
+    def releases(self) -> bool:
+        """This placement releases engines between phases on CPU (what residency would save)."""
+        return not self.gpu and (self.roles.mode == "partial_colocate"
+                                 or (self.roles.mode == "colocate" and self.scorer.uses_genrm))
+
+    def _release(self, *slots: EngineSlot) -> None:
+        """Release ``slots`` for the next phase, unless engines stay resident."""
+        if not self.keep:
+            for slot in slots:
+                slot.sleep()
+
+    def _release_all(self) -> None:
+        """Tear down every resident engine (collective: with partial colocation each rank holds one)."""
+        if self.keep:
+            self.rollout.sleep()
+            self.judge.sleep()
+
     # ------------------------------------------------------------------ the rollout + GenRM phase
     def rollout_and_score(self, rows: list, spec, actor, on_phase=None) -> tuple[list[SampleGroup], dict, PhaseTimer]:
         """Roll out this step's prompts, judge them, and return the groups this rank trains on.
@@ -146,12 +177,13 @@ class Placement:
         """
         timer = PhaseTimer(on_enter=on_phase)
         gids = [self.rank * len(rows) + i for i in range(len(rows))]
+        resident = {"engines_resident": (float(bool(self.keep)), 1.0)} if self.releases else {}
         if not self.roles.split:
             groups = self._colocated(rows, gids, spec, timer)
             if self.gpu:
                 with timer("engines"):
                     self.rollout.sleep()
-            return groups, {"idle_s": (0.0, 1.0)}, timer
+            return groups, {"idle_s": (0.0, 1.0), **resident}, timer
         if self.roles.mode == "partial_colocate":
             with timer("engines"):  # CPU: samplers build the policy engine while GenRM ranks build the judge
                 (self.rollout if self.rank in self.roles.samplers else self.judge).wake()
@@ -161,11 +193,10 @@ class Placement:
             groups, sums = self._streamed(rows, gids, spec, timer)
         with timer("engines"):  # training owns the memory
             if self.roles.mode == "partial_colocate":
-                self.rollout.sleep()
-                self.judge.sleep()
+                self._release(self.rollout, self.judge)
             elif self.gpu and self.trains:
                 self.rollout.sleep()
-        return sorted(groups, key=lambda g: g.gid), sums, timer
+        return sorted(groups, key=lambda g: g.gid), {**sums, **resident}, timer
 
     def _colocated(self, rows, gids, spec, timer) -> list[SampleGroup]:
         with timer("rollout"):
@@ -173,13 +204,13 @@ class Placement:
         groups = [self._group(gid, self.rank, self.rank, row, comps) for gid, row, comps in zip(gids, rows, completions)]
         if self.scorer.uses_genrm:  # the rollout engine gives its memory to the judge
             with timer("engines"):
-                self.rollout.sleep()
+                self._release(self.rollout)
                 judge = self.judge.wake()
             judge.seed = spec.seed
             with timer("genrm"):
                 self.scorer.judge_groups(judge, groups)
             with timer("engines"):
-                self.judge.sleep()
+                self._release(self.judge)
         timer.times["time_rollout_genrm_s"] = timer.times["time_rollout_s"] + timer.times.get("time_genrm_s", 0.0)
         return groups
 
@@ -238,13 +269,23 @@ class Placement:
             self._push(actor)
         return timer
 
-    def end_step(self, rollout_genrm_s: float) -> None:
-        """Feed the step's rollout + GenRM time (reduced over the ranks: the slowest's) to the split search."""
+    def end_step(self, rollout_genrm_s: float, avail_min: float = float("inf")) -> None:
+        """Feed the step's rollout + GenRM time (reduced over the ranks: the slowest's) to the split
+        search and, after the first step of ``keep_engines: auto``, decide whether engines stay
+        resident from ``avail_min``, the machine's lowest available memory (bytes) this rank saw
+        over the step (collective)."""
+        if self.keep is None and self.releases:
+            engines = self.rollout.built_bytes + self.judge.built_bytes  # what it built (conservative)
+            self.keep, account = engines_fit(gather_reports(engines, avail_min))
+            log.info("placement: engines %s (%s; %d%% kept free)",
+                     "stay resident from the next step" if self.keep else "are released between phases",
+                     account, round(100 * RESERVE_FRACTION))
         if self.search is None:
             return
         self.search.record(len(self.roles.judges), rollout_genrm_s)
         k = self.search.next()
         if k != len(self.roles.judges):
+            self._release_all()  # each rank builds its new role's engine at the next phase start
             self.roles = plan_roles(self.roles.mode, self.world, k)
 
     @contextlib.contextmanager
@@ -253,6 +294,7 @@ class Placement:
         if self.roles.mode != "partial_colocate":
             yield self.rollout.engine if self.rollout.awake else None
             return
+        self._release_all()  # then every rank builds the same engine here
         self.rollout.wake()  # every rank evaluates its share (CPU: a collective build)
         try:
             self._push(actor)

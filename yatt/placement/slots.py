@@ -26,6 +26,11 @@ class EngineSlot:
         self._build, self._can_sleep = build, can_sleep
         self.obj = None
         self.asleep = False
+        self.built_bytes = 0  # how much this process's resident memory grew at the last build
+
+    @property
+    def built(self) -> bool:
+        return self.obj is not None
 
     @property
     def engine(self):
@@ -46,7 +51,12 @@ class EngineSlot:
     def build_now(self) -> None:
         """Build the engine if there is none (collective), leaving it awake."""
         if self.obj is None:
+            import psutil
+
+            proc = psutil.Process()
+            before = proc.memory_info().rss
             self.obj, self.asleep = self._build(), False
+            self.built_bytes = max(0, proc.memory_info().rss - before)
 
     def wake(self):
         """The engine, awake: woken from sleep, or built if there is none (then collective)."""
