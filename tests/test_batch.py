@@ -169,3 +169,14 @@ def test_phase_timer_warns_when_the_machine_runs_out_of_memory(monkeypatch, capl
                     assert reads.acquire(timeout=60)
     warnings = [r.getMessage() for r in caplog.records if "memory nearly exhausted" in r.getMessage()]
     assert len(warnings) == 1 and "during phase train" in warnings[0] and "1.0 of 24.0 GiB left" in warnings[0]
+    assert timer.avail_min == 1 << 30  # the lowest point of both phases
+
+    # what would be left had the rank kept what it released: 2 GiB released during "judge" only
+    released = [0]
+    timer = PhaseTimer(interval_s=0.001, released_bytes=lambda: released[0])
+    for phase, available, held in (("judge", 10 << 30, 2 << 30), ("train", 9 << 30, 0)):
+        left[0], released[0] = available, held
+        with timer(phase):
+            for _ in range(4):
+                assert reads.acquire(timeout=60)
+    assert timer.avail_min == 8 << 30

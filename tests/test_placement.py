@@ -186,12 +186,13 @@ GIB = 2**30
 def test_engines_stay_resident_only_where_every_machine_keeps_its_reserve():
     from yatt.placement.residency import engines_fit
 
-    # two ranks per machine, 1 GiB of engines each; 16 GiB machines: 10% = 1.6 GiB must stay free
-    fit, account = engines_fit([("a", GIB, 3.7 * GIB, 16 * GIB), ("a", GIB, 3.9 * GIB, 16 * GIB)])
-    assert fit and account == "a: 2.00 GiB of engines, 3.7 of 16.0 GiB left at the step's low point"
-    assert not engines_fit([("a", GIB, 3.5 * GIB, 16 * GIB), ("a", GIB, 3.9 * GIB, 16 * GIB)])[0]  # lowest counts
+    # two ranks per machine, 1 GiB of engines each; 16 GiB machines: 10% = 1.6 GiB must stay free.
+    # Each low point already counts its own rank's engines; the other rank's come off it.
+    fit, account = engines_fit([("a", GIB, 2.7 * GIB, 16 * GIB), ("a", GIB, 2.9 * GIB, 16 * GIB)])
+    assert fit and account == "a: 2.00 GiB of engines, 1.7 of 16.0 GiB left with them at the step's low point"
+    assert not engines_fit([("a", GIB, 2.5 * GIB, 16 * GIB), ("a", GIB, 2.9 * GIB, 16 * GIB)])[0]  # lowest counts
     # one machine short is enough to release everywhere
-    assert not engines_fit([("a", GIB, 8 * GIB, 16 * GIB), ("b", GIB, 2 * GIB, 16 * GIB)])[0]
+    assert not engines_fit([("a", GIB, 8 * GIB, 16 * GIB), ("b", GIB, 1.5 * GIB, 16 * GIB)])[0]
     assert engines_fit([("a", 0, 1.7 * GIB, 16 * GIB)])[0]
 
 

@@ -119,7 +119,8 @@ def _train(job: Job) -> list[dict]:
 def _step(job: Job, step: int) -> dict:
     """One RL step on this rank; returns its record (reduced over the ranks)."""
     cfg = job.cfg
-    timer, t0, sums = PhaseTimer(on_enter=lambda name: job.phase(name, step)), time.perf_counter(), {}
+    timer = PhaseTimer(on_enter=lambda name: job.phase(name, step), released_bytes=job.placement.released_bytes)
+    t0, sums = time.perf_counter(), {}
     job.phase("rollout", step)
     groups, rewards = _rollout_and_score(job, step, timer, sums)
     if job.trains:

@@ -25,17 +25,19 @@ class PhaseTimer:
     """Wall-clock seconds (``time_<phase>_s``) and peak resident memory in GiB
     (``mem_peak_<phase>_gib``, sampled every ``interval_s`` by a background thread) per phase.
 
-    The same sampler keeps the machine's lowest available memory over all phases
-    (``avail_min``, bytes) and warns (once per phase) when it falls under
+    The same sampler keeps the machine's lowest available memory over all phases, less what
+    ``released_bytes()`` says this rank has released at that moment (``avail_min``, bytes: what
+    would have been left had it kept everything), and warns (once per phase) when it falls under
     :data:`LOW_MEMORY_FRACTION` of its total, naming the phase, this rank's resident memory and
     what is left: the kernel's OOM killer ends a process without a word of its own (mpirun then
     reports only "Killed (signal 9)").
     """
 
-    def __init__(self, interval_s: float = 0.05, on_enter=None) -> None:
+    def __init__(self, interval_s: float = 0.05, on_enter=None, released_bytes=None) -> None:
         self.times: dict[str, float] = {}
         self.peaks: dict[str, float] = {}
         self.avail_min = math.inf
+        self.released_bytes = released_bytes  # () -> bytes this rank released and could keep, or None
         self.interval_s = interval_s
         self.on_enter = on_enter  # called with the phase name as it starts (e.g. the watchdog's phase)
 
@@ -59,7 +61,8 @@ class PhaseTimer:
             while True:
                 peak[0] = max(peak[0], proc.memory_info().rss)
                 vm = psutil.virtual_memory()
-                self.avail_min = min(self.avail_min, vm.available)
+                held = self.released_bytes() if self.released_bytes is not None else 0
+                self.avail_min = min(self.avail_min, vm.available - held)
                 if not warned:
                     warned = _warn_if_memory_low(phase, peak[0], vm)
                 if done.wait(self.interval_s):

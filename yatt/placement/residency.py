@@ -2,13 +2,14 @@
 
 On CPU vLLM has no sleep mode, so colocated placements release an engine by tearing it down and
 rebuild it for its next phase (seconds per engine per step). Memory permitting, both engines can
-instead stay built. The first step runs releasing, as before, and measures what that would cost:
-each engine's resident size at its build (:attr:`yatt.placement.slots.EngineSlot.built_bytes`)
-and the machine's lowest available memory over the step (:attr:`PhaseTimer.avail_min
-<yatt.controller.metrics.PhaseTimer>`). Engines stay resident from then on when, on every
-machine, that low point less the engines of all its ranks still leaves :data:`RESERVE_FRACTION`
-of the machine's memory free (conservative: an engine counts against every phase, also one in
-which it was already resident).
+instead stay built. The first step runs releasing, as before, and measures what keeping them
+would have left: each engine's resident size at its build
+(:attr:`yatt.placement.slots.EngineSlot.built_bytes`), and the machine's available memory,
+sampled through the step, less this rank's engines that were released at that moment
+(:attr:`PhaseTimer.avail_min <yatt.controller.metrics.PhaseTimer>`). Engines stay resident from
+then on when, on every machine, each rank's low point less the engines of the machine's other
+ranks still leaves :data:`RESERVE_FRACTION` of its memory free (conservative for the other ranks:
+their engines count in full at that moment, also where they were resident).
 """
 from __future__ import annotations
 
@@ -23,22 +24,25 @@ def engines_fit(reports: list[tuple[str, int, float, int]],
     """Decide from every rank's report whether the engines fit resident.
 
     Args:
-        reports: one ``(host, engine bytes, lowest available bytes over the step, machine bytes)``
-            per rank: the engines it would keep, what its machine had left at the step's low point.
+        reports: one ``(host, engine bytes, low point, machine bytes)`` per rank: the engines it
+            would keep, and the lowest available memory of its machine over the step less its own
+            engines that were released at that moment (what keeping them would have left).
         reserve: fraction of each machine's memory that must stay free.
     Returns:
-        (fit on every machine, a one-line account: per machine, GiB of engines against GiB left).
+        (fit on every machine, a one-line account: per machine, its engines and the tightest
+        rank's low point less the other ranks' engines, in GiB).
     """
     need: dict[str, int] = defaultdict(int)
-    low: dict[str, float] = {}
-    total: dict[str, int] = {}
-    for host, engine_bytes, avail_min, machine in reports:
+    for host, engine_bytes, _, _ in reports:
         need[host] += engine_bytes
-        low[host] = min(low.get(host, float("inf")), avail_min)
+    left: dict[str, float] = {}
+    total: dict[str, int] = {}
+    for host, engine_bytes, low, machine in reports:  # less the engines of the machine's other ranks
+        left[host] = min(left.get(host, float("inf")), low - (need[host] - engine_bytes))
         total[host] = machine
-    fit = all(low[h] - need[h] >= reserve * total[h] for h in need)
-    account = ", ".join(f"{h}: {need[h] / 2**30:.2f} GiB of engines, {low[h] / 2**30:.1f} of {total[h] / 2**30:.1f} GiB "
-                        f"left at the step's low point" for h in need)
+    fit = all(left[h] >= reserve * total[h] for h in need)
+    account = ", ".join(f"{h}: {need[h] / 2**30:.2f} GiB of engines, {left[h] / 2**30:.1f} of {total[h] / 2**30:.1f} GiB "
+                        f"left with them at the step's low point" for h in need)
     return fit, account
 
 

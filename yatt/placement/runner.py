@@ -149,6 +149,15 @@ class Placement:
         return not self.gpu and (self.roles.mode == "partial_colocate"
                                  or (self.roles.mode == "colocate" and self.scorer.uses_genrm))
 
+    def released_bytes(self) -> int:
+        """Resident memory (bytes, as measured at their builds) of the engines this rank would keep
+        but has released right now: what keeping them would add at this moment."""
+        if self.keep is not None or not self.releases:
+            return 0
+        kept = (self.rollout, self.judge) if self.roles.mode == "colocate" else (
+            self.rollout if self.rank in self.roles.samplers else self.judge,)
+        return sum(slot.built_bytes for slot in kept if not slot.awake)
+
     def _release(self, *slots: EngineSlot) -> None:
         """Release ``slots`` for the next phase, unless engines stay resident."""
         if not self.keep:
@@ -175,7 +184,7 @@ class Placement:
             GenRM ranks of a split mode, the queue metrics ``genrm_queue_*``; what it measured:
             a :class:`PhaseTimer` of the phases rollout, genrm, rollout_genrm, engines, sync).
         """
-        timer = PhaseTimer(on_enter=on_phase)
+        timer = PhaseTimer(on_enter=on_phase, released_bytes=self.released_bytes)
         gids = [self.rank * len(rows) + i for i in range(len(rows))]
         resident = {"engines_resident": (float(bool(self.keep)), 1.0)} if self.releases else {}
         if not self.roles.split:
@@ -260,7 +269,7 @@ class Placement:
         (partial_colocate pushes at the next phase start instead, into freshly woken engines).
         Returns what it measured (phases engines and sync; ``on_phase`` as in
         :meth:`rollout_and_score`)."""
-        timer = PhaseTimer(on_enter=on_phase)
+        timer = PhaseTimer(on_enter=on_phase, released_bytes=self.released_bytes)
         if self.roles.mode == "partial_colocate" or not self.trains:
             return timer
         with timer("engines"):  # CPU colocated GenRM: rebuilt here; GPU: woken
@@ -272,10 +281,11 @@ class Placement:
     def end_step(self, rollout_genrm_s: float, avail_min: float = float("inf")) -> None:
         """Feed the step's rollout + GenRM time (reduced over the ranks: the slowest's) to the split
         search and, after the first step of ``keep_engines: auto``, decide whether engines stay
-        resident from ``avail_min``, the machine's lowest available memory (bytes) this rank saw
-        over the step (collective)."""
+        resident from ``avail_min``: the machine's lowest available memory (bytes) over the step
+        as this rank saw it, less its own released engines at each moment (:meth:`released_bytes`,
+        sampled by the step's timers). Collective."""
         if self.keep is None and self.releases:
-            engines = self.rollout.built_bytes + self.judge.built_bytes  # what it built (conservative)
+            engines = self.rollout.built_bytes + self.judge.built_bytes  # what it built (at most what it keeps)
             self.keep, account = engines_fit(gather_reports(engines, avail_min))
             log.info("placement: engines %s (%s; %d%% kept free)",
                      "stay resident from the next step" if self.keep else "are released between phases",
