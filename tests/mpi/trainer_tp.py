@@ -196,9 +196,10 @@ def pg_loss(logprobs, entropy, mb):
     return loss, {"loss": loss.detach()}
 
 
-def packed_vs_padded(model, rank: int, what: str) -> None:
+def packed_vs_padded(model, rank: int, what: str) -> float:
     """Every ``trainer.packing`` layout gives the padded rows' outputs (a policy: logprobs,
-    entropies and the grad norm of :func:`pg_loss`, the update skipped; a critic: values)."""
+    entropies and the grad norm of :func:`pg_loss`, the update skipped; a critic: values).
+    Returns the largest difference."""
     from yatt.controller.batch import pack_micro_batches
     from yatt.trainer.packing import MODES
 
@@ -218,6 +219,7 @@ def packed_vs_padded(model, rank: int, what: str) -> None:
               + (f", grad_norm {out[mode][1]:.6f} vs {ref_norm:.6f}" if ref_norm else ""), flush=True)
         assert diff < PACKING_ATOL, (mode, diff)
         assert ref_norm is None or abs(out[mode][1] - ref_norm) <= 1e-5 * ref_norm, (mode, out[mode][1], ref_norm)
+    return max(max((a - b).abs().max().item() for a, b in zip(out[mode][0], ref)) for mode in MODES[1:])
 
 
 def check_tp(rank: int) -> None:
