@@ -70,9 +70,10 @@ def pack_micro_batches(samples: list[Sample], groups, pad_id: int, packing: str 
             "rollout_logprobs": lps,
             "advantages": torch.tensor([[s.advantage] for s in rows], dtype=torch.float32),
             "index": torch.tensor(idx, dtype=torch.long),
-            "body_tokens": torch.tensor([sum(s.length for s in rows), ids.numel()]),
         }
-        if packing != "padded":
+        if packing == "padded":
+            mb["body_tokens"] = torch.tensor([sum(s.length for s in rows), ids.numel()])
+        else:
             mb.update(pack_rows([s.prompt_ids for s in rows], [s.response_ids for s in rows], width, packing))
             mb["body_tokens"] = torch.tensor([int((mb["packed_segments"] >= 0).sum()), mb["packed_ids"].numel()])
         out.append(mb)

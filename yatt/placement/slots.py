@@ -29,10 +29,6 @@ class EngineSlot:
         self.built_bytes = 0  # how much this process's resident memory grew at the last build
 
     @property
-    def built(self) -> bool:
-        return self.obj is not None
-
-    @property
     def engine(self):
         return getattr(self.obj, "engine", self.obj)
 

@@ -184,9 +184,15 @@ def _last_stage() -> tuple[int, object]:
     return parallel_state.get_pipeline_model_parallel_last_rank(), parallel_state.get_pipeline_model_parallel_group()
 
 
+def _runs_packed(mb: dict) -> bool:
+    """The model body runs the micro-batch's packed rows: it has them, and scored positions to
+    gather back (``response_mask``)."""
+    return "packed_ids" in mb and "response_mask" in mb
+
+
 def _body_ids(mb: dict) -> torch.Tensor:
-    """The token rows the model body runs for a micro-batch: packed if it has them, else padded."""
-    return mb["packed_ids"] if "packed_ids" in mb and "response_mask" in mb else mb["input_ids"]
+    """The token rows the model body runs for a micro-batch: packed (:func:`_runs_packed`) or padded."""
+    return mb["packed_ids"] if _runs_packed(mb) else mb["input_ids"]
 
 
 def _shift_right(x: torch.Tensor) -> torch.Tensor:
@@ -324,7 +330,7 @@ class MegatronPolicy:
         ids = mb["input_ids"]
         select = _scored_positions(mb)
         hooks = []
-        if select is not None and "packed_ids" in mb:  # the body runs packed rows (yatt.trainer.packing)
+        if _runs_packed(mb):  # the body runs packed rows (yatt.trainer.packing)
             ids, position_ids = mb["packed_ids"], mb["packed_positions"]
             mask = packing.attention_mask(mb["packed_segments"], mb["packed_branches"])
             hooks.append(self.module.rotary_pos_emb.register_forward_hook(packing.rope_at_positions(position_ids)))
