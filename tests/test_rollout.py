@@ -6,8 +6,10 @@ itself restores the global RNG states and ``torch.set_num_threads``.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -48,9 +50,13 @@ def engine(path):
     created = not dist.is_initialized()
     threads = torch.get_num_threads()
     init_distributed(threads=int(os.environ.get("OMP_NUM_THREADS", 1)))
+    gc.freeze()  # as a job does before its engines (yatt.loop.run): the libraries' objects, frozen
+    frozen = gc.get_freeze_count()
     eng = VLLMEngine(path, max_model_len=512, kv_cache_memory_bytes=256 << 20, seed=0)
+    eng.frozen_by_build = gc.get_freeze_count() - frozen  # for test_shutdown_releases_reloaded_weights
     yield eng
     eng.shutdown()
+    gc.unfreeze()
     torch.set_num_threads(threads)
     if created and dist.is_initialized():
         dist.destroy_process_group()
@@ -217,13 +223,19 @@ def test_shutdown_releases_reloaded_weights(engine, state):
 
     vLLM keeps per-layer in-place-reload records (holding the layer's tensors) in a module-level
     table that outlives the engine; without dropping them every rebuilt engine leaked its weights.
+    vLLM's own start-up freezes the heap and its teardown unfreezes it for three full collections
+    (seconds on CPU); the engine leaves the caller's frozen objects frozen, froze nothing of its
+    own, and its one collection at shutdown frees the model.
     """
-    import gc
-
     from vllm.model_executor.model_loader.reload import layerwise
 
     engine.update_weights(iter(state.items()))
     assert len(layerwise.LAYERWISE_INFO) > 0
+    model = engine._llm.collective_rpc(lambda worker: weakref.ref(worker.model_runner.get_model()))[0]
+    frozen = gc.get_freeze_count()
+    # freezing raises the count; frozen objects that die lower it (the build let some go)
+    assert model() is not None and frozen > 0 and engine.frozen_by_build <= 0
     engine.shutdown()
+    assert model() is None and gc.get_freeze_count() > 0.9 * frozen  # not unfrozen (that gives 0)
     gc.collect()
     assert len(layerwise.LAYERWISE_INFO) == 0

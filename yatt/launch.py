@@ -8,11 +8,14 @@ typo costs a second, not a model load.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 # Before torch's first allocation: its CPU allocator backs buffers of >= 2 MiB with transparent
 # huge pages (madvise). Fresh bucket and activation buffers then fault in 2 MiB pages: measured
@@ -235,5 +238,24 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
     return code, records if info.rank == 0 else []
 
 
+def exit_process(code: int) -> NoReturn:
+    """End the process with exit code ``code``, skipping the interpreter's teardown.
+
+    After a job, the interpreter's teardown (every module of torch, vLLM, Megatron-Core and
+    transformers: ~0.8 M objects) took ~4 s per rank on the dev machine (2026-12-02) and frees
+    nothing the OS does not free at exit. What a normal exit does that matters still happens, in
+    its order: non-daemon threads are joined, the ``atexit`` handlers run (logging's flush,
+    mpi4py's ``MPI_Finalize``), stdout and stderr are flushed. Call it only after the job's files
+    are closed (:func:`main` returns after that).
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -8,9 +8,9 @@ import logging
 import sys
 import warnings
 
-from yatt.launch import main
+from yatt.launch import exit_process, main
 
 code = main(sys.argv[1:])
 warnings.warn("planted by test_logs: a warning that needs action")
 logging.getLogger("vllm.v1.worker.cpu_worker").warning("planted by test_logs: a vLLM warning that needs action")
-sys.exit(code)
+exit_process(code)
