@@ -8,7 +8,7 @@ ARGS   ?=
 BIN    := $(VENV)/bin
 
 .PHONY: setup demo test test-quick bench-trl clean
-setup: $(VENV)/.deps $(VENV)/.ext $(VENV)/.assets
+setup: $(VENV)/.deps $(VENV)/.ext $(VENV)/.assets $(VENV)/.tcmalloc
 
 $(VENV)/.deps: requirements.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ $(VENV)/.ext: $(VENV)/.deps setup.py CMakeLists.txt $(wildcard csrc/*)
 $(VENV)/.assets: $(VENV)/.ext yatt/assets/model.py
 	$(BIN)/python -m yatt.assets.model smollm2-135m-instruct
 	$(BIN)/python -m yatt.assets.model qwen2.5-coder-0.5b-instruct
+	touch $@
+
+# tcmalloc, which python -m yatt.launch preloads with Intel OpenMP (yatt/preload.py): Debian's package, as root.
+# Optional: elsewhere the jobs run on glibc malloc, and rank 0's log says so.
+$(VENV)/.tcmalloc: $(VENV)/.deps
+	ldconfig -p | grep -q libtcmalloc_minimal || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq libtcmalloc-minimal4 || { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; }; }; } || \
+		echo "tcmalloc not installed (needs root and apt-get: Debian's libtcmalloc-minimal4); jobs use glibc malloc"
 	touch $@
 
 demo: setup

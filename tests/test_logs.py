@@ -134,8 +134,9 @@ def test_native_runtime_names_the_allocator_and_openmp_runtime():
             "7f02-7f03 r-xp 00000000 08:01 12 /venv/torch/lib/libgomp-a34b3233.so.1\n"
             "7f04-7f05 rw-p 00000000 00:00 0 \n")
     assert logs.native_runtime(maps) == ("memory allocator: tcmalloc (libtcmalloc_minimal.so.4.5.9); OpenMP: GNU "
-                                         "(libgomp-a34b3233.so.1); vLLM suggests LD_PRELOAD of tcmalloc and Intel "
-                                         "OpenMP for speed")
+                                         "(libgomp-a34b3233.so.1); for speed, install Debian's libtcmalloc-minimal4 "
+                                         "(make setup does, as root): python -m yatt.launch then preloads it and "
+                                         "Intel OpenMP (yatt/preload.py)")
     maps += "7f06-7f07 r-xp 00000000 08:01 13 /opt/intel/libiomp5.so\n"
     assert logs.native_runtime(maps).endswith("Intel (libiomp5.so)")
     assert logs.native_runtime("").startswith("memory allocator: glibc malloc; OpenMP: none loaded")

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from conftest import kill_job, launch_job, tensorboard_scalars, wait_job
+from yatt.preload import runtime_libraries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 _TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
@@ -50,6 +51,11 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, tiny_pol
             "algo.kl_in_reward=0.05", "algo.kl_target=0.01", "algo.kl_horizon=4")  # + the KL coefficient's state
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    # python -m yatt.launch restarted itself with what yatt.preload found installed (rank 0's line)
+    runtime = next(line for line in (tmp_path / "ref.log").read_text().splitlines() if "memory allocator: " in line)
+    found = runtime_libraries()
+    assert ("tcmalloc (" in runtime) == any("tcmalloc" in lib for lib in found), (runtime, found)
+    assert ("Intel (libiomp5" in runtime) == any("iomp5" in lib for lib in found), (runtime, found)
     ckpts = ref / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     # no stale weights: consecutive checkpoints differ (retention kept steps 3 and 4)

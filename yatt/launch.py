@@ -17,6 +17,11 @@ import threading
 from pathlib import Path
 from typing import NoReturn
 
+if __name__ == "__main__":  # first: this may restart the process with tcmalloc and Intel OpenMP preloaded
+    from yatt.preload import restart_with_preload
+
+    restart_with_preload()
+
 # Before torch's first allocation: its CPU allocator backs buffers of >= 2 MiB with transparent
 # huge pages (madvise). Fresh bucket and activation buffers then fault in 2 MiB pages: measured
 # on the dev machine, allocating and filling 512 MiB took 0.034 s instead of 0.196 s, and the

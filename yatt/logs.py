@@ -182,5 +182,7 @@ def native_runtime(maps: str | None = None) -> str:
 
     allocator, openmp = found(_ALLOCATORS) or "glibc malloc", found(_OPENMP) or "none loaded"
     advice = "" if "tcmalloc" in allocator and "Intel" in openmp else (
-        "; vLLM suggests LD_PRELOAD of tcmalloc and Intel OpenMP for speed")
+        "; YATT_PRELOAD=0 turned preloading off" if os.environ.get("YATT_PRELOAD") == "0" else
+        "; for speed, install Debian's libtcmalloc-minimal4 (make setup does, as root): python -m yatt.launch "
+        "then preloads it and Intel OpenMP (yatt/preload.py)")
     return f"memory allocator: {allocator}; OpenMP: {openmp}{advice}"

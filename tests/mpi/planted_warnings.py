@@ -4,11 +4,15 @@ warning (a logger whose other lines are filtered). Installs nothing itself.
 
 ``python tests/mpi/planted_warnings.py --config FILE [key=value ...]``; exits with the job's code.
 """
-import logging
-import sys
-import warnings
+from yatt.preload import restart_with_preload
 
-from yatt.launch import exit_process, main
+restart_with_preload()  # as python -m yatt.launch does
+
+import logging  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+from yatt.launch import exit_process, main  # noqa: E402
 
 code = main(sys.argv[1:])
 warnings.warn("planted by test_logs: a warning that needs action")
