@@ -222,6 +222,9 @@ class TrainerConfig(_Section):
         description="what the model body runs per micro-batch: padded rows; packed rows (several samples per row, "
                     "attention kept inside each); or packed rows with each prompt once, followed by its responses "
                     "in the micro-batch (each attending to the prompt and itself). Same logprobs to fp32 rounding")
+    recompute: Literal["none", "full"] = Field("none",
+        description="activation recomputation: full keeps only each transformer layer's input in the forward pass "
+                    "and recomputes the layer in the backward pass (less memory, one more forward pass per micro-batch)")
     lr: float = Field(1e-6, gt=0, description="peak learning rate (AdamW)")
     min_lr: float = Field(0.0, ge=0, description="learning rate at the end of the cosine decay")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")

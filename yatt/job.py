@@ -146,7 +146,9 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                         adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
-    actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group)
+    recompute = t.recompute == "full"
+    actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group,
+                           recompute=recompute)
     ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
            if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 else None)
     critic = None
@@ -155,7 +157,7 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
                                    adam_beta2=t.adam_beta2, clip_grad=c.clip_grad, warmup_steps=c.warmup_steps,
                                    total_steps=optim_steps)
         critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=critic_optim, dtype=dtype,
-                                dp_group=placement.train_group)
+                                dp_group=placement.train_group, recompute=recompute)
     return actor, ref, critic
 
 

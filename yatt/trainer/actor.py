@@ -242,6 +242,10 @@ class MegatronPolicy:
         dp_group: process group whose ranks train together (gradients summed over it); None =
             Megatron's data-parallel group (every rank trains). A subgroup is for layouts where
             some ranks never train (``placement.mode=disaggregated``); it needs ``tp == pp == 1``.
+        recompute: keep only each transformer layer's input in the forward pass and recompute the
+            layer in the backward pass (Megatron-Core's full recompute, one layer per checkpoint;
+            Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"): activation memory
+            of about one layer instead of all, for one more forward pass of compute. Same update.
     Raises:
         RuntimeError: torch.distributed is not initialised (call ``yatt.dist.init_distributed``).
         ValueError: parallel_state exists with another TP / PP, world not divisible by tp pp,
@@ -254,7 +258,7 @@ class MegatronPolicy:
     head = "lm"  # the output layer (yatt.trainer.model.build_gpt_model); the critic's is "value"
 
     def __init__(self, hf_path: str | Path, *, tp: int = 1, pp: int = 1, optim: OptimConfig | None = None,
-                 dtype: torch.dtype = torch.float32, dp_group=None):
+                 dtype: torch.dtype = torch.float32, dp_group=None, recompute: bool = False):
         megatron_cpu.apply()
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -276,7 +280,10 @@ class MegatronPolicy:
         self.last_stage = self.stage == pp - 1
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else parallel_state.get_data_parallel_world_size()
         self.optim = optim
-        self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, head=self.head, calculate_per_token_loss=True)
+        # full recompute: a layer's activations are recomputed in the backward pass from its input, kept per layer
+        recompute_args = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, head=self.head, calculate_per_token_loss=True,
+                                                  **(recompute_args if recompute else {}))
         self.config = self.model.config
         self._device = next(self.model.parameters()).device
         self.module = self.model  # the bare GPTModel (this TP rank's shard of its stage), under any wrappers
