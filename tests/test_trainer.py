@@ -340,12 +340,13 @@ def test_vocab_parallel_entropy_gradient_equals_autograds(world1):
     assert not vocab_parallel_logprobs_entropy(logits.clone(), targets, 9)[1].requires_grad  # no bonus, no graph
 
 
-def test_full_recompute_gives_the_same_update(world1, tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_full_recompute_gives_the_same_update(world1, tmp_path, model_type):
     """``recompute=True`` (Megatron-Core's full activation recompute, each layer checkpointed):
     the same loss, grad norm and weights after one optimizer step as storing the activations."""
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
 
-    ref.save_tiny_hf(tmp_path, "llama", vocab_size=100, tied=True)
+    ref.save_tiny_hf(tmp_path, model_type, vocab_size=100, tied=True)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     mbs = [{"input_ids": ids, "mask": torch.ones(2, 12)}]
     runs = []

@@ -3,11 +3,12 @@
 vLLM's CPU backend asks for both in ``LD_PRELOAD`` ("for best performance"); a library in
 ``LD_PRELOAD`` must be there when the process starts, so ``python -m yatt.launch`` restarts
 itself once (:func:`restart_with_preload`, same process id and arguments) before it imports
-anything heavy. Measured on the 2-core dev machine (2026-12-02, 3-step demo runs, twice each,
-alternating, same metrics to the printed digit): steps 2-3 took 69.0 and 56.7 s with glibc
+anything heavy. Measured on the 2-core dev machine (2026-12-02, demo runs, same metrics to the
+printed digit): 3-step runs, twice each, alternating: steps 2-3 took 69.0 and 56.7 s with glibc
 malloc and GNU OpenMP, 55.7 and 58.8 s with tcmalloc, 51.8 and 54.7 s with tcmalloc and Intel
-OpenMP; whole runs 148/127, 130/124 and 116/116 s. Mostly the train phase (tcmalloc's allocator
-for Megatron's activations); the rollout 0.5-1 s per step.
+OpenMP (whole runs 148/127, 130/124, 116/116 s); a 4-step run each way later: steps 2-4 79.8 s
+without, 80.0 s with (whole runs 166 and 154 s). So a gain of 0-10%, within this machine's
+run-to-run spread; kept because it never measured slower and vLLM's CPU backend asks for it.
 
 Where to find them: Debian's ``libtcmalloc-minimal4`` (``make setup`` installs it as root), and
 ``libiomp5.so`` from the ``intel-openmp`` wheel in the venv's ``lib`` (a dependency of the

@@ -263,6 +263,7 @@ def check_tiny_qwen2_tp(rank: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf = save_tiny_hf(tmp, "qwen2", vocab_size=100, tied=False)
         policy = MegatronPolicy(tmp, tp=3, optim=OptimConfig(lr=1e-3))
+        recomputed = MegatronPolicy(tmp, tp=3, optim=OptimConfig(lr=1e-3), recompute=True)  # trainer.recompute=full
         assert policy.layout.padded_vocab_size == 102
         exported = dict(policy.export_hf_weights())
         ckpt = SafetensorsState(tmp)
@@ -276,10 +277,14 @@ def check_tiny_qwen2_tp(rank: int) -> None:
     d_lp, d_ent = (lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item()
     ref = hf_grad_norm(hf, mbs, sum_logprob_loss)
     stats = policy.train_step(mbs, sum_logprob_loss)
+    re_norm = recomputed.train_step(mbs, sum_logprob_loss)["grad_norm"]
     print(f"[rank {rank}] tiny Qwen2 TP=3: logprob max|diff| {d_lp:.1e}, entropy {d_ent:.1e}, "
-          f"grad_norm {stats['grad_norm']:.6f} vs HF {ref:.6f}", flush=True)
+          f"grad_norm {stats['grad_norm']:.6f} (recomputed {re_norm:.6f}) vs HF {ref:.6f}", flush=True)
     assert d_lp < LOGPROB_ATOL and d_ent < LOGPROB_ATOL, (d_lp, d_ent)
     assert abs(stats["grad_norm"] - ref) <= GRAD_NORM_RTOL * ref, (stats["grad_norm"], ref)
+    assert abs(re_norm - ref) <= GRAD_NORM_RTOL * ref, (re_norm, ref)
+    assert max((a - b).abs().max().item() for (_, a), (_, b)
+               in zip(policy.export_hf_weights(), recomputed.export_hf_weights())) < 1e-6  # the same update
     # an entropy bonus: the vocab-parallel entropy's gradient, at the weights after the step
     hf.load_state_dict(dict(policy.export_hf_weights()))
     ref = hf_grad_norm(hf, mbs, EntropyBonusLoss())
