@@ -48,9 +48,9 @@ _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failu
 def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
     """Train for ``cfg.trainer.total_steps`` steps; returns rank 0's metric records. ``watchdog``
     (a :class:`yatt.watchdog.Watchdog`) is told each phase, so a hang is reported with it."""
-    # The libraries' objects live as long as the job: full collections stop walking them (vLLM's engine
-    # does the same at start-up; yatt.rollout.vllm_engine freezes again after its teardown unfroze).
-    # Unfrozen at the end, so that interpreter exit frees them (nanobind reports what it does not).
+    # The libraries' objects live as long as the job: full collections stop walking them (an engine's
+    # build and teardown leave this freeze alone: yatt.rollout.vllm_engine._no_heap_wide_gc).
+    # Unfrozen at the end, for callers whose interpreter goes on or exits normally (the Python API).
     _import_libraries()
     gc.freeze()
     try:
@@ -63,9 +63,9 @@ def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
 
 def _import_libraries() -> None:
     """Import the libraries the roles use (vLLM, Megatron-Core, transformers) before :func:`run`
-    freezes the heap, so that the freeze covers their objects: vLLM runs four full collections per
-    engine build and teardown, each ~0.5 s on the dev machine while its own modules were left out.
-    They load here instead of at first use; nothing else changes."""
+    freezes the heap, so that the freeze covers their objects: automatic full collections and the
+    one after each engine teardown then skip them. They load here instead of at first use; nothing
+    else changes."""
     import megatron.core  # noqa: F401
     import transformers  # noqa: F401
 
