@@ -134,8 +134,7 @@ class BucketedSync:
                 self._programs[k] = _BucketProgram(bucket, self.layout, self.params, self.i, self.j,
                                                    (self.tp_group, self.tp_mpi), views=len(self.pp_ranks) == 1)
             program = self._programs[k]
-            out = torch.empty(program.out_numel, dtype=self.dtype, device=self.device)
-            program.run(out, self.params, self.threads)
+            out = program.run(self.params, self.threads)
             entries = program.entries
         else:  # another stage builds this bucket: receive all of it
             entries, pos = [], 0
@@ -197,14 +196,21 @@ class _BucketProgram:
             pos += s.numel
         self.pack = CopyProgram([self.total, *(s.numel for s in split)], pack)
 
-    def run(self, out: torch.Tensor, params: dict[str, torch.Tensor], threads: int) -> None:
-        recv = out.new_empty(self.t * self.total)
+    def run(self, params: dict[str, torch.Tensor], threads: int) -> torch.Tensor:
+        """The bucket's output buffer (``out_numel`` elements, the parameters' dtype and device),
+        filled. The output is allocated after the send buffer is freed, so a bucket holds at most
+        two of its three buffers at a time (one vocab-parallel embedding can be a bucket of its own:
+        Qwen2.5-0.5B's is 545 MB)."""
+        like = next(iter(params.values()))
+        recv = like.new_empty(self.t * self.total)
         if self.total:
-            send = out.new_empty(self.total)
+            send = like.new_empty(self.total)
             self.pack.run([send, *(params[n].detach().view(-1) for n in self.split_names)], threads)
             if self.tp_mpi is not None:
                 self.tp_mpi.Allgather(_bytes(send), _bytes(recv))
             else:
                 dist.all_gather_single(recv, send, group=self.tp_group)
             del send
+        out = like.new_empty(self.out_numel)
         self.reshard.run([out, recv, *(params[n].detach().view(-1) for n in self.local_names)], threads)
+        return out
