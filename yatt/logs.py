@@ -26,6 +26,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from yatt import preload
+
 LEVELS = ("quiet", "all")  # log.level
 
 
@@ -182,7 +184,7 @@ def native_runtime(maps: str | None = None) -> str:
 
     allocator, openmp = found(_ALLOCATORS) or "glibc malloc", found(_OPENMP) or "none loaded"
     advice = "" if "tcmalloc" in allocator and "Intel" in openmp else (
-        "; YATT_PRELOAD=0 turned preloading off" if os.environ.get("YATT_PRELOAD") == "0" else
+        "; YATT_PRELOAD=0 turned preloading off" if preload.turned_off(os.environ) else
         "; for speed, install Debian's libtcmalloc-minimal4 (make setup does, as root): python -m yatt.launch "
         "then preloads it and Intel OpenMP (yatt/preload.py)")
     return f"memory allocator: {allocator}; OpenMP: {openmp}{advice}"

@@ -39,10 +39,15 @@ def runtime_libraries() -> list[str]:
     return found
 
 
+def turned_off(environ) -> bool:
+    """``YATT_PRELOAD=0`` in ``environ``: no restart."""
+    return environ.get("YATT_PRELOAD", "1") == "0"
+
+
 def preload_env(environ: dict[str, str], libraries: list[str]) -> dict[str, str] | None:
-    """The environment to restart with, or None when there is nothing to add (turned off with
-    ``YATT_PRELOAD=0``, already restarted, or every library already in ``LD_PRELOAD``)."""
-    if environ.get("YATT_PRELOAD", "1") == "0" or environ.get(_MARK):
+    """The environment to restart with, or None when there is nothing to add (:func:`turned_off`,
+    already restarted, or every library already in ``LD_PRELOAD``)."""
+    if turned_off(environ) or environ.get(_MARK):
         return None
     have = environ.get("LD_PRELOAD", "")
     new = [lib for lib in libraries if Path(lib).name not in have]
