@@ -32,10 +32,9 @@ def runtime_libraries() -> list[str]:
     if tcmalloc:
         found.append(tcmalloc)
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        found.append(str(iomp))
-    elif ctypes.util.find_library("iomp5"):
-        found.append(ctypes.util.find_library("iomp5"))
+    iomp = str(iomp) if iomp.is_file() else ctypes.util.find_library("iomp5")
+    if iomp:
+        found.append(iomp)
     return found
 
 
