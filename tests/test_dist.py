@@ -125,3 +125,38 @@ def test_wait_until_sleeps_between_polls():
     calls, end = [], time.monotonic() + 0.05
     wait_until(lambda: calls.append(1) or time.monotonic() >= end)
     assert time.monotonic() >= end and len(calls) <= 70, len(calls)
+
+
+_WRITER = """
+import sys
+from yatt.dist import whole_lines
+whole_lines()
+for i in range(3000):
+    print(f"writer {sys.argv[1]} line {i}:", "x" * 60, flush=True)
+    print(f"writer {sys.argv[1]} err {i}:", "y" * 60, file=sys.stderr)
+"""
+
+
+def _two_writers() -> list[str]:
+    """The lines two processes, after ``whole_lines()``, print at once into one pipe (stdout and stderr both), as the
+    ranks of a job do into mpirun's, under ``PYTHONUNBUFFERED=1``."""
+    read_fd, write_fd = os.pipe()
+    env = _clean_env(PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(k)], stdout=write_fd, stderr=write_fd, env=env)
+             for k in range(2)]
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        lines = pipe.read().splitlines()
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    return lines
+
+
+def test_ranks_lines_reach_a_shared_pipe_whole():
+    """After :func:`yatt.dist.whole_lines` (``init_distributed`` calls it), two processes printing
+    6000 lines each into one pipe under ``PYTHONUNBUFFERED=1`` leave every line whole. Without it
+    ``print`` writes text and newline apart, and another rank's line lands between them (a CI run
+    lost one of zero_signal's per-rank lines that way)."""
+    lines = _two_writers()
+    whole = re.compile(r"writer [01] (line \d+: x{60}|err \d+: y{60})")
+    assert len(lines) == 12000 and all(whole.fullmatch(line) for line in lines), \
+        [line for line in lines if not whole.fullmatch(line)][:5]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -149,8 +150,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def whole_lines() -> None:
+    """Make this process write stdout and stderr a whole line per ``write`` call.
+
+    The ranks of a job share the launcher's stdout and stderr; a line written in pieces can have
+    another rank's line land inside it. Under ``PYTHONUNBUFFERED=1`` (set by many CI systems and
+    containers) ``print`` writes its text and its newline in two calls. Here both streams become
+    line-buffered and not write-through: a line goes out in one call, at its newline, and a
+    line shorter than the pipe's atomic size (4 KiB on Linux) reaches the reader whole.
+    Idempotent; a stream without ``reconfigure`` (one a caller replaced) is left as it is.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> RankInfo:
-    """Discover ranks, export the torch env vars, set threads and init torch.distributed.
+    """Discover ranks, export the torch env vars, set threads and init torch.distributed. Output
+    goes a whole line at a time from here on (:func:`whole_lines`).
 
     Args:
         threads: torch/OpenMP threads per rank; default: cores on the node / local ranks.
@@ -159,6 +176,7 @@ def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> Ra
         RankInfo of this process. Idempotent: a second call returns the same info.
     """
     info = discover()
+    whole_lines()
     if info.source == "mpi" and "MASTER_PORT" not in os.environ:
         from mpi4py import MPI
 
