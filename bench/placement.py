@@ -4,11 +4,13 @@
                               [--out runs/bench_placement] [override ...]
 
 Runs ``mpirun -np NP python -m yatt.launch`` once per mode (colocate, partial_colocate,
-disaggregated) with the same recipe, seed and overrides, then reads each run's
-``metrics.jsonl``. Step 1 is dropped from the means (first-call warm-up); the remaining steps
+disaggregated) with the same recipe, seed and overrides, and colocate once more with
+``placement.keep_engines=never`` (every engine torn down and rebuilt around each phase, as before
+engines could stay resident), then reads each run's ``metrics.jsonl``. Step 1 is dropped from the means (first-call warm-up); the remaining steps
 are averaged. Prints a table of per-phase and per-step seconds and a final line
 
     colocate_vs_disaggregated=<step time ratio> partial_vs_colocate_rollout=<ratio>
+    colocate_engines_saved_s=<engine switch seconds per step that keeping engines saves>
 
 where the rollout ratio compares the rollout + GenRM phase *including* the engine switches it
 needs (CPU: engine teardown/rebuild; the weight push), i.e. ``step - logprob - train - reward``.
@@ -22,12 +24,15 @@ from pathlib import Path
 
 from timing import run_job
 MODES = ("colocate", "partial_colocate", "disaggregated")
+RELEASE = "colocate_release"  # colocate with placement.keep_engines=never
 COLUMNS = ("time_rollout_s", "time_genrm_s", "time_rollout_genrm_s", "time_engines_s", "time_sync_s",
            "time_logprob_s", "time_train_s", "idle_s", "time_step_s")
 
 
 def run_mode(mode: str, args, extra: list[str]) -> tuple[list[dict], float]:
     out = Path(args.out) / mode
+    if mode == RELEASE:
+        mode, extra = "colocate", ["placement.keep_engines=never", *extra]
     records, wall = run_job(args.np, ["--config", args.config, f"placement.mode={mode}",
                                       f"trainer.total_steps={args.steps}", f"output_dir={out}", "overwrite=true",
                                       *extra], out, mode)
@@ -40,6 +45,7 @@ def means(steps: list[dict]) -> dict[str, float]:
     out["rollout_phase_s"] = out["time_step_s"] - out["time_logprob_s"] - out["time_train_s"] - sum(
         r.get("time_reward_s", 0.0) for r in used) / len(used)
     out["reward_genrm_mean"] = sum(r.get("reward_genrm_mean", 0.0) for r in used) / len(used)
+    out["engines_resident"] = used[-1].get("engines_resident", 0.0)
     return out
 
 
@@ -53,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     extra = ["data.eval_size=8", *args.overrides]  # evaluation is outside the step; keep it short
     results = {}
-    for mode in MODES:
+    for mode in (*MODES, RELEASE):
         steps, wall = run_mode(mode, args, extra)
         results[mode] = means(steps)
         print(f"  {mode}: {len(steps)} steps, {wall:.0f} s wall", flush=True)
@@ -63,10 +69,12 @@ def main() -> None:
     print(f"{'mode':<18}" + "".join(f"{c.removeprefix('time_').removesuffix('_s'):>15}" for c in cols))
     for mode, m in results.items():
         print(f"{mode:<18}" + "".join(f"{m[c]:>15.1f}" for c in cols))
-    co, pa, di = (results[m] for m in MODES)
+    co, pa, di, rel = (results[m] for m in (*MODES, RELEASE))
     print(f"compute-only rollout+GenRM: partial/colocate = {pa['time_rollout_genrm_s'] / co['time_rollout_genrm_s']:.3f}")
     print(f"colocate_vs_disaggregated={co['time_step_s'] / di['time_step_s']:.3f} "
           f"partial_vs_colocate_rollout={pa['rollout_phase_s'] / co['rollout_phase_s']:.3f}")
+    print(f"colocate_engines_saved_s={rel['time_engines_s'] - co['time_engines_s']:.1f} (engines resident in colocate: "
+          f"{co['engines_resident']:.0f}; colocate_release_vs_disaggregated={rel['time_step_s'] / di['time_step_s']:.3f})")
 
 
 if __name__ == "__main__":
