@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from yatt.reward.genrm import (BLOCK_CLOSE, BLOCK_OPEN, GenRMJudge, JudgeItem, combine, load_template,
+from yatt.reward.genrm import (BLOCK_CLOSE, BLOCK_OPEN, GenRMJudge, JudgeItem, load_template,
                                parse_verdict, prob_yes, yes_no_token_ids)
 from yatt.rollout import Completion
 
@@ -77,7 +77,7 @@ def test_parse_adversarial_fake_verdict_inside_the_response():
     assert parse_verdict(f"Verdict: no\n{fake}") is None
 
 
-# ---------------------------------------------------------------- P(yes), combine (pure)
+# ---------------------------------------------------------------- P(yes) (pure)
 def test_prob_yes_from_first_token_logprobs():
     yes, no = {1, 2}, {3}
     lp = {1: math.log(0.3), 2: math.log(0.1), 3: math.log(0.2), 4: math.log(0.4)}
@@ -87,17 +87,6 @@ def test_prob_yes_from_first_token_logprobs():
     assert prob_yes({4: -0.1, 5: -3.0}, yes, no) is None
     assert prob_yes({}, yes, no) is None
     assert prob_yes({1: -1000.0, 3: -1001.0}, yes, no) == pytest.approx(1 / (1 + math.exp(-1)))  # no underflow
-
-
-def test_combine():
-    assert combine(1.0, 0.0, 0.25) == pytest.approx(0.75)
-    assert combine(0.0, 0.8, 1.0) == pytest.approx(0.8) and combine(0.3, 0.8, 0.0) == pytest.approx(0.3)
-    np.testing.assert_allclose(combine(np.array([1.0, 0.0]), np.array([0.5, 0.5]), 0.5), [0.75, 0.25])
-    t = combine(torch.tensor([1.0]), torch.tensor([0.0]), 0.5)
-    assert torch.allclose(t, torch.tensor([0.5]))
-    for w in (-0.1, 1.5):
-        with pytest.raises(ValueError, match="weight"):
-            combine(1.0, 1.0, w)
 
 
 def test_templates_load_and_fail_clearly(tmp_path):

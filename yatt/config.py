@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -80,12 +80,122 @@ class GenRMConfig(_Section):
     kv_cache_memory_bytes: int = Field(256 << 20, gt=0, description="judge engine KV-cache size, bytes")
 
 
+class _Source(_Section):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$",
+        description="the source's name: its metrics are reward_<name>_mean, reward_<name>_errors, ...")
+    weight: float = Field(1.0, ge=0,
+        description="its weight in the training reward (the weighted sum of the sources)")
+    error_score: float = Field(0.0,
+        description="score of a response the source could not score (counted as an error)")
+
+
+class RuleSourceConfig(_Source):
+    type: Literal["rule"] = Field(description="data.task's reasoning-gym scorer on the answer reward.extract reads")
+
+
+class FunctionSourceConfig(_Source):
+    type: Literal["function"] = Field(description="a Python function of your own (yatt/reward/function.py)")
+    path: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="'package.module:function'; (prompt, response, row) -> float, or with batched lists -> list")
+    batched: bool = Field(False, description="call it once per step on lists (prompts, responses, rows)")
+    timeout_s: float = Field(30.0, ge=0,
+        description="seconds one call may take (0: no limit, called on the main thread)")
+
+
+class MathVerifySourceConfig(_Source):
+    type: Literal["math_verify"] = Field(description="math answer equivalence with the math-verify package")
+    timeout_s: int = Field(5, ge=0, description="seconds math-verify may spend parsing or comparing (0: no limit)")
+
+
+class MatchSourceConfig(_Source):
+    type: Literal["match"] = Field(description="exact match of the extracted answer, or a regex search")
+    pattern: str | None = Field(None,
+        description="None: the extracted answer equals the row's (whitespace-normalised); else a regex searched "
+                    "in the response, '{answer}' standing for the row's answer (escaped)")
+    ignore_case: bool = Field(True, description="compare or search case-insensitively")
+
+
+class HttpSourceConfig(_Source):
+    type: Literal["http"] = Field(description="a remote reward server (yatt/reward/http.py gives the protocol)")
+    url: str = Field(description="the server's http(s) URL, POSTed batches of items")
+    batch_size: int = Field(32, gt=0, description="items per request")
+    max_concurrency: int = Field(4, gt=0, description="requests in flight per rank")
+    timeout_s: float = Field(30.0, gt=0, description="seconds per request attempt")
+    retries: int = Field(3, ge=0,
+        description="attempts after the first (time-outs, 5xx, 429, bad JSON, dropped connections)")
+    backoff_s: float = Field(0.5, ge=0,
+        description="sleep before the k-th retry: backoff_s * 2**(k-1), plus up to 10% jitter")
+
+
+class GenRMSourceConfig(_Source):
+    type: Literal["genrm"] = Field(description="the generative reward model (judge), set up by reward.genrm")
+    model: str | None = Field(None, description="the judge model (None: reward.genrm.model)")
+
+
+RewardSourceConfig = Annotated[Union[RuleSourceConfig, FunctionSourceConfig, MathVerifySourceConfig,
+                                     MatchSourceConfig, HttpSourceConfig, GenRMSourceConfig],
+                               Field(discriminator="type")]
+# source types scored without an engine, on the trainer ranks (yatt/reward/sources.py)
+LOCAL_SOURCES = ("rule", "function", "math_verify", "match", "http")
+
+
 class RewardConfig(_Section):
     type: Literal["rule", "genrm", "genrm_with_rule"] = Field("rule",
-        description="rule: the task's scorer; genrm: the judge; genrm_with_rule: a weighted mix")
+        description="without reward.sources: rule (the task's scorer), genrm (the judge) or genrm_with_rule "
+                    "(their weighted sum, reward.genrm.weight)")
+    sources: list[RewardSourceConfig] = Field(default_factory=list,
+        description="the reward as a weighted sum of named sources (rule, function, math_verify, match, http, "
+                    "genrm); replaces reward.type")
+    accuracy: str | None = Field(None,
+        description="the source whose score 1 counts as correct (accuracy, eval_accuracy; eval scores with it); "
+                    "default: the first source that is not genrm, else the task's rule scorer")
     extract: Literal["answer_tag", "answer_tag_or_last_number"] = Field("answer_tag_or_last_number",
-        description="how the answer is read from a response for the rule reward")
+        description="how the answer is read from a response for the rule, match and math_verify sources")
     genrm: GenRMConfig = Field(default_factory=GenRMConfig, description="the generative reward model (judge)")
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> "RewardConfig":
+        if self.sources and self.type != "rule":
+            raise ValueError(f"reward.type: {self.type} and reward.sources both given; reward.sources replaces "
+                             "reward.type (name a genrm source there)")
+        names = [s.name for s in self.sources]
+        for name in {n for n in names if names.count(n) > 1}:
+            raise ValueError(f"reward.sources: the name {name!r} is used twice")
+        if self.sources and not any(s.weight > 0 for s in self.sources):
+            raise ValueError("reward.sources: every weight is 0; give at least one source a positive weight")
+        judges = [s for s in self.sources if s.type == "genrm"]
+        if len(judges) > 1:
+            raise ValueError("reward.sources: more than one genrm source (one judge, set up by reward.genrm)")
+        if judges and judges[0].model is not None:
+            self.genrm.model = judges[0].model
+        if self.accuracy is not None and self.accuracy not in [s.name for s in self.resolved_sources()]:
+            raise ValueError(f"reward.accuracy: {self.accuracy!r} names no source of reward.sources")
+        if self.accuracy is not None and self.accuracy in [s.name for s in judges]:
+            raise ValueError("reward.accuracy: the genrm source cannot score the evaluation; name another source")
+        return self
+
+    def resolved_sources(self) -> list:
+        """The sources the reward is made of: ``sources``, or the ones ``type`` stands for (``rule``;
+        ``genrm``: the judge, with the rule scorer at weight 0 for accuracy; ``genrm_with_rule``: both,
+        weighted ``1 - genrm.weight`` and ``genrm.weight``). Without ``accuracy`` and without a source
+        that is not genrm, the task's rule scorer is added at weight 0."""
+        if not self.sources:
+            w = {"rule": 0.0, "genrm": 1.0, "genrm_with_rule": self.genrm.weight}[self.type]
+            rule = RuleSourceConfig(name="rule", type="rule", weight=1.0 - w)
+            return [rule] if self.type == "rule" else [rule, GenRMSourceConfig(name="genrm", type="genrm", weight=w)]
+        if self.accuracy is None and all(s.type == "genrm" for s in self.sources):
+            return [*self.sources, RuleSourceConfig(name="rule", type="rule", weight=0.0)]
+        return list(self.sources)
+
+    @property
+    def uses_genrm(self) -> bool:
+        """A source is the GenRM judge."""
+        return any(s.type == "genrm" for s in self.resolved_sources())
+
+    @property
+    def accuracy_source(self) -> str:
+        """The name of the source whose score 1 counts as correct (see ``accuracy``)."""
+        return self.accuracy or next(s.name for s in self.resolved_sources() if s.type != "genrm")
 
 
 class PlacementConfig(_Section):
@@ -318,8 +428,9 @@ class Config(_Section):
             raise ValueError("algo.mini_batches: more mini-batches than samples per rank "
                              "(trainer.prompts_per_rank * rollout.n)")
         p = self.placement
-        if p.mode != "colocate" and self.reward.type == "rule":
-            raise ValueError(f"placement.mode: {p.mode} splits rollout and GenRM ranks, but reward.type is 'rule'")
+        if p.mode != "colocate" and not self.reward.uses_genrm:
+            raise ValueError(f"placement.mode: {p.mode} splits rollout and GenRM ranks, but no reward source "
+                             "is genrm")
         if p.genrm_ranks != "auto" and p.genrm_ranks < 1:
             raise ValueError(f"placement.genrm_ranks: must be >= 1 or 'auto', got {p.genrm_ranks}")
         if p.genrm_ranks == "auto" and p.mode != "partial_colocate":
@@ -384,26 +495,37 @@ class Config(_Section):
         return self
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = Config
+def _walk(loc: tuple) -> tuple[str, type[BaseModel] | None]:
+    """The dotted key of a pydantic error location (list items as ``[i]``, a discriminated union's
+    tag dropped: ``reward.sources[0].path``) and the model it ends in (None past a leaf)."""
+    key, model, union = "", Config, None
     for part in loc:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
+        if isinstance(part, int):
+            key += f"[{part}]"
+            continue
+        if union is not None and part in union:  # the tag pydantic puts after a union item's index
+            model, union = union[part], None
+            continue
+        field = model.model_fields.get(str(part)) if model is not None else None
+        key += f"{'.' if key else ''}{part}"
+        ann, model, union = getattr(field, "annotation", None), None, None
+        if get_origin(ann) is list and get_origin(get_args(ann)[0]) is Annotated:
+            members = get_args(get_args(get_args(ann)[0])[0])
+            union = {get_args(m.model_fields["type"].annotation)[0]: m for m in members}
+        elif isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+    return key or "<root>", model
 
 
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = tuple(p for p in e["loc"] if not isinstance(p, int)) or ("<root>",)
-        key = ".".join(map(str, loc))
+        key, _ = _walk(tuple(e["loc"]))
         if e["type"] == "extra_forbidden":
-            parent = _model_at(loc[:-1])
-            near = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields) if parent else [], n=1)
-            hint = f" (did you mean '{'.'.join(map(str, loc[:-1] + (near[0],)))}'?)" if near else ""
+            parent = _walk(tuple(e["loc"])[:-1])[1]
+            near = difflib.get_close_matches(str(e["loc"][-1]), list(parent.model_fields) if parent else [], n=1)
+            stem = key[: len(key) - len(str(e["loc"][-1]))]  # the parent's key and its dot
+            hint = f" (did you mean '{stem}{near[0]}'?)" if near else ""
             lines.append(f"unknown config key '{key}'{hint}")
         elif e["type"] == "value_error":
             lines.append(str(e["msg"]).removeprefix("Value error, "))

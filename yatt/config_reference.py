@@ -26,8 +26,18 @@ _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="), (a
            (annotated_types.Le, "le", "<="))
 
 
+def _tagged(ann) -> dict[str, type[BaseModel]] | None:
+    """``{tag: model}`` of a list of a discriminated union (``reward.sources``), else None."""
+    if typing.get_origin(ann) is not list or typing.get_origin(typing.get_args(ann)[0]) is not typing.Annotated:
+        return None
+    members = typing.get_args(typing.get_args(typing.get_args(ann)[0])[0])
+    return {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in members}
+
+
 def _type(ann) -> str:
     """A recipe writer's name for a field type: ``int``, ``float or null``, ``one of "a", "b"``."""
+    if _tagged(ann):
+        return "list of mappings, each by its `type`: " + ", ".join(f'"{t}"' for t in _tagged(ann))
     if typing.get_origin(ann) is typing.Literal:
         return "one of " + ", ".join(json.dumps(a) for a in typing.get_args(ann))
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
@@ -49,11 +59,14 @@ def _range(field) -> str:
                      if isinstance(m, kind))
 
 
-def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
-    out = [(prefix, model)]
+def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, type[BaseModel]]]:
+    """(title, key prefix, model) of every section, a list item of each ``type`` as its own."""
+    out = [(prefix.rstrip(".") or "top level", prefix, model)]
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             out += _sections(field.annotation, f"{prefix}{name}.")
+        for tag, member in (_tagged(field.annotation) or {}).items():
+            out.append((f"{prefix}{name}[]` of type `{tag}", f"{prefix}{name}[].", member))
     return out
 
 
@@ -66,8 +79,7 @@ def render() -> str:
     lines = ["# Config reference", "",
              "Generated from `yatt/config.py` by `python -m yatt.config_reference`; do not edit by hand.",
              "Set any key in a YAML recipe or on the command line (`trainer.total_steps=5`).", ""]
-    for prefix, model in _sections(Config):
-        title = prefix.rstrip(".") or "top level"
+    for title, prefix, model in _sections(Config):
         lines += [f"## `{title}`", ""]
         if prefix and model.__doc__:
             lines += [_markdown(model.__doc__), ""]
@@ -77,8 +89,9 @@ def render() -> str:
                 continue
             if not field.description:
                 raise ValueError(f"config key '{prefix}{name}' has no description")
-            default = json.dumps(field.get_default(call_default_factory=True))
-            lines.append(f"| `{prefix}{name}` | {_type(field.annotation)} | `{default}` | {_range(field)} | "
+            default = "required" if field.is_required() else \
+                f"`{json.dumps(field.get_default(call_default_factory=True))}`"
+            lines.append(f"| `{prefix}{name}` | {_type(field.annotation)} | {default} | {_range(field)} | "
                          f"{field.description.replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines)

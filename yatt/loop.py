@@ -37,6 +37,7 @@ from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
 from yatt.controller.rebalance import DpBalancer
 from yatt.dist import RankInfo
 from yatt.job import Job, build_job
+from yatt.reward.scorer import COUNTER_SUFFIXES
 
 log = logging.getLogger("yatt")
 # summed over ranks, not averaged
@@ -172,13 +173,9 @@ def _sample_round(job: Job, step: int, round_: int, timer: PhaseTimer, sums: dic
     timer.merge(measured)
     rewards = []
     if job.trains:
-        scorer = job.scorer
         with timer("reward"):
-            rule = scorer.rule_scores([g.row for g in groups], [g.texts for g in groups])
-            flat = scorer.combine(rule, [s for g in groups for s in g.genrm] if scorer.uses_genrm else None)
-        more.update(_sample_sums(groups, flat, rule))
-        if scorer.uses_genrm:
-            more.update(scorer.genrm_sums(groups))
+            flat, accuracy, reward_sums = job.scorer.score(groups)
+        more.update(_sample_sums(groups, flat, accuracy), **reward_sums)
         rewards = [flat[i * n:(i + 1) * n] for i in range(len(groups))]
     _merge(sums, more)
     return groups, rewards
@@ -213,7 +210,7 @@ def _record(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> di
     idle = sums.pop("idle_s")[0] + _wait_for_peers()  # a rank with nothing left waits here
     timer.times["time_step_s"] = time.perf_counter() - t0
     sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
-    record = {"step": step, **global_means(sums, op_max=_MAXIMA, op_sum=_COUNTERS,
+    record = {"step": step, **global_means(sums, op_max=_MAXIMA, op_sum=_COUNTERS, sum_suffixes=COUNTER_SUFFIXES,
                                                   max_prefixes=("time_", "mem_peak_"))}
     record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
     record.update(_idle_record(idle))
@@ -230,7 +227,7 @@ def _evaluate(job: Job, step: int) -> list[dict]:
         return []
     job.phase("eval", step)
     with job.placement.eval_engine(job.actor) as engine:
-        record = {"step": step, **evaluate(engine, job.eval_rows, job.scorer.rule, job.tokenizer,
+        record = {"step": step, **evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer,
                                            job.cfg.eval.max_tokens)}
     job.writer.write(record)
     log.info("eval step %d: accuracy %.3f reward %.3f", step, record["eval_accuracy"], record["eval_reward_mean"])
@@ -302,14 +299,14 @@ def _idle_record(idle: float) -> dict:
             "idle_rank_s": [round(v, 3) for v in every.tolist()]}
 
 
-def _sample_sums(groups, rewards: list[float], rule: list[float]) -> dict[str, tuple[float, float]]:
-    """(sum, count) metrics of every response of ``groups`` (``rewards``/``rule``: prompt-major)."""
+def _sample_sums(groups, rewards: list[float], accuracy: list[float]) -> dict[str, tuple[float, float]]:
+    """(sum, count) metrics of every response of ``groups`` (``rewards``: the training reward,
+    ``accuracy``: the accuracy source's scores, 1 = correct; both prompt-major)."""
     pairs = [(g.row, c) for g in groups for c in g.completions]
     n = float(len(pairs))
     return {
         "reward_mean": (sum(rewards), n),
-        "reward_rule_mean": (sum(rule), n),
-        "accuracy": (sum(float(r == 1.0) for r in rule), n),
+        "accuracy": (sum(float(r == 1.0) for r in accuracy), n),
         "response_len_mean": (sum(len(c.token_ids) for _, c in pairs), n),
         "truncated_frac": (sum(float(c.finish_reason == "length") for _, c in pairs), n),
         "tokens_total": (sum(len(row.prompt_ids) + len(c.token_ids) for row, c in pairs), 1.0),
@@ -327,7 +324,10 @@ def _line(r: dict) -> str:
     def v(key: str, fmt: str) -> str:  # "-": not measured this step (e.g. the actor frozen while the critic warms up)
         return format(r[key], fmt) if key in r else "-"
 
-    genrm = f" genrm {r['reward_genrm_mean']:.3f} unparsable {r['genrm_unparsable']:.0f}" if "reward_genrm_mean" in r else ""
+    means = [f"{k[7:-5]} {r[k]:.3f}" for k in sorted(r) if k.startswith("reward_") and k.endswith("_mean")
+             and k != "reward_mean"]  # each source's
+    errors = sum(r[k] for k in r if k.startswith("reward_") and k.endswith("_errors"))
+    genrm = (f" ({' '.join(means)})" if len(means) > 1 else "") + (f" errors {errors:.0f}" if errors else "")
     critic = f" | vloss {r['value_loss']:.4f} ev {r['explained_variance']:.3f}" if "value_loss" in r else ""
     skipped = f" skip {r['samples_skipped']:.0f}" if "samples_skipped" in r else ""
     phases = " ".join(f"{name} {r[f'time_{key}_s']:.1f}" for name, key in _PHASES if f"time_{key}_s" in r)

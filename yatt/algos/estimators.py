@@ -14,13 +14,13 @@ token-level advantages come later, from :mod:`yatt.algos.token_advantages` and
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 
 import torch
 
 from yatt.algos.grpo import group_advantages
 from yatt.config import GROUP_RELATIVE, TOKEN_ESTIMATORS
+from yatt.imports import load_callable
 
 Estimator = Callable[[torch.Tensor], torch.Tensor]
 ESTIMATORS: dict[str, Estimator] = {}
@@ -131,14 +131,7 @@ def get_estimator(name: str) -> Estimator:
     if ":" not in name:
         raise ValueError(f"algo.estimator: unknown estimator {name!r}; one of {sorted(ESTIMATORS)}, or "
                          "'package.module:function' for your own")
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"algo.estimator: cannot load {name!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"algo.estimator: {name!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return load_callable(name, "algo.estimator")
 
 
 def estimator_for(name: str, norm_adv_by_std: bool = True) -> Estimator:

@@ -40,7 +40,7 @@ class PromptRow:
     prompt_ids: list[int]  # chat-templated prompt tokens, generation prompt included
     question: str
     answer: str
-    entry: dict[str, Any]  # what the task's scorer reads (question, answer, metadata)
+    entry: dict[str, Any]  # every field of the row, with question, answer and metadata (what scorers read)
 
 
 SKIP_REASONS = ("not_json", "missing_field", "wrong_type", "empty_field", "too_long", "unreadable")
@@ -207,7 +207,7 @@ def _prepare(cfg: DataConfig, tokenizer, raw: Any, stats: LoadStats) -> PromptRo
     stats.kept += 1
     if file is not None:
         stats.files[file][1] += 1
-    entry = {"question": question, "answer": str(answer), "metadata": row.get("metadata") or {}}
+    entry = {**row, "question": question, "answer": str(answer), "metadata": row.get("metadata") or {}}
     return PromptRow(list(ids), question, str(answer), entry)
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 from yatt.controller.metrics import global_means
 
 
-def evaluate(engine, rows, reward_fn, tokenizer, max_tokens: int) -> dict[str, float]:
+def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int) -> dict[str, float]:
     """Greedy-decode this rank's eval prompts and score them (collective: the reduction).
 
-    ``engine`` may be None on a rank without eval prompts (a GenRM-only rank).
+    ``engine`` may be None on a rank without eval prompts (a GenRM-only rank). ``score_fn(rows,
+    texts) -> list[float]`` scores the responses (``texts[i]`` answers ``rows[i]``; 1 = correct).
 
     Returns:
         ``eval_accuracy`` (fraction with reward exactly 1), ``eval_reward_mean`` and
@@ -17,13 +18,9 @@ def evaluate(engine, rows, reward_fn, tokenizer, max_tokens: int) -> dict[str, f
 
     spec = SamplingSpec(n=1, max_tokens=max_tokens, temperature=0.0)
     outs = engine.generate([r.prompt_ids for r in rows], spec) if rows else []
-    correct = reward = length = 0.0
-    for row, (c,) in zip(rows, outs):
-        r = reward_fn(tokenizer.decode(c.token_ids, skip_special_tokens=True), row.entry)
-        correct += float(r == 1.0)
-        reward += r
-        length += len(c.token_ids)
+    scores = score_fn(rows, [tokenizer.decode(c.token_ids, skip_special_tokens=True) for (c,) in outs]) if rows else []
     n = len(rows)
     return global_means({
-        "eval_accuracy": (correct, n), "eval_reward_mean": (reward, n), "eval_response_len_mean": (length, n),
+        "eval_accuracy": (sum(float(r == 1.0) for r in scores), n), "eval_reward_mean": (sum(scores), n),
+        "eval_response_len_mean": (sum(len(c.token_ids) for (c,) in outs), n),
     })

@@ -85,7 +85,7 @@ class Placement:
     def __init__(self, cfg, rank: int, world: int, build_rollout, scorer, decode, gpu: bool | None = None) -> None:
         p = cfg.placement
         if p.mode != "colocate" and not scorer.uses_genrm:
-            raise ValueError(f"placement.mode={p.mode} needs a GenRM reward (reward.type is {cfg.reward.type!r})")
+            raise ValueError(f"placement.mode={p.mode} needs a GenRM reward source")
         self.cfg, self.rank, self.world = cfg, rank, world
         self.scorer, self.decode = scorer, decode
         self.search = SplitSearch(1, world - 1, repeats=p.auto_repeats) if p.genrm_ranks == "auto" else None

@@ -118,24 +118,6 @@ def yes_no_token_ids(tokenizer) -> tuple[set[int], set[int]]:
     return yes, no
 
 
-def combine(rule, genrm, weight: float):
-    """Blend the rule reward and the GenRM score: ``(1 - weight) * rule + weight * genrm``.
-
-    Used by ``reward.type: genrm_with_rule``. ``weight = 0`` is the rule reward alone, ``1`` the
-    judge alone.
-
-    Args:
-        rule, genrm: rewards in [0, 1]; floats or same-shape arrays/tensors (elementwise).
-    Returns:
-        Same type as the inputs, in [0, 1] when both inputs are.
-    Raises:
-        ValueError: ``weight`` outside [0, 1].
-    """
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"weight must be in [0, 1], got {weight}")
-    return (1.0 - weight) * rule + weight * genrm
-
-
 def load_template(template: str) -> str:
     """Template text from a built-in name (``correctness_yesno``, ...) or a file path.
 

@@ -1,14 +1,22 @@
-"""Rewards of one step's responses, by ``reward.type``: rule, GenRM, or their weighted sum.
+"""Rewards of one step's responses: the weighted sum of ``reward.sources`` (or of what
+``reward.type`` stands for), with per-source metrics.
 
-The rule reward (reasoning-gym's scorer) is always computed: it is the ground truth behind the
-``accuracy`` metric even when the policy is trained on the judge's score. The GenRM judge runs
-on its own vLLM engine; when it is built and shut down is the placement's business
-(:mod:`yatt.placement.runner`).
+Every source is scored, also at weight 0: ``reward_<name>_mean`` and ``reward_<name>_errors``
+(responses given the source's ``error_score``) for each, plus a source's own counters
+(``reward_<name>_timeouts``, ``_retries``, ...). The accuracy source (``reward.accuracy``) is the
+ground truth behind ``accuracy`` and the evaluation, even when the policy trains on a judge's
+score. The GenRM judge runs on its own vLLM engine; when it is built and shut down is the
+placement's business (:mod:`yatt.placement.runner`); :meth:`StepScorer.score` adds its scores
+(set on the groups by :meth:`StepScorer.judge_groups`) to the local sources'.
 """
 from __future__ import annotations
 
 from yatt.config import RewardConfig
-from yatt.reward.rule import RuleReward
+from yatt.reward.item import RewardItem
+from yatt.reward.sources import build_source
+
+# metric name endings of source counters: summed over ranks, not averaged
+COUNTER_SUFFIXES = ("_errors", "_timeouts", "_retries", "_requests", "_failed_batches")
 
 
 class StepScorer:
@@ -16,22 +24,50 @@ class StepScorer:
 
     Args:
         cfg: the ``reward`` section. task, task_config: the reasoning-gym task of the rule reward.
-        judge_path: HF folder of the judge model (needed when ``cfg.type`` uses GenRM).
+        judge_path: HF folder of the judge model (needed with a genrm source).
         progress: label of the judge engine's progress bar (None: no bar; see ``VLLMEngine``).
     """
 
     def __init__(self, cfg: RewardConfig, task: str, task_config: dict, judge_path=None, progress: str | None = None):
         self.cfg = cfg
         self.progress = progress
-        self.rule = RuleReward(task, cfg.extract, task_config)
-        self.uses_genrm = cfg.type in ("genrm", "genrm_with_rule")
+        sources = cfg.resolved_sources()
+        self.local = [build_source(s, i, cfg.extract, task, task_config) for i, s in enumerate(sources)
+                      if s.type != "genrm"]
+        self.judge_source = next((s for s in sources if s.type == "genrm"), None)
+        self.uses_genrm = self.judge_source is not None
+        self.accuracy = cfg.accuracy_source
         if self.uses_genrm and judge_path is None:
-            raise ValueError(f"reward.type={cfg.type} needs a judge model")
+            raise ValueError("a genrm reward source needs a judge model")
         self.judge_path = judge_path
 
-    def rule_scores(self, rows, texts: list[list[str]]) -> list[float]:
-        """Rule reward of each response, prompt-major (``G * n`` floats in [0, 1])."""
-        return [self.rule(t, row.entry) for row, group in zip(rows, texts) for t in group]
+    def score(self, groups) -> tuple[list[float], list[float], dict[str, tuple[float, float]]]:
+        """The training reward of every response of ``groups`` (SampleGroup-like: ``row``,
+        ``texts``, and ``genrm`` once judged), prompt-major.
+
+        Returns:
+            (rewards: the weighted sum of the sources, accuracy: the accuracy source's scores,
+            sums: (sum, count) metrics, see the module docstring).
+        """
+        items = [RewardItem(g.row.question, t, g.row.entry) for g in groups for t in g.texts]
+        total, by_name, sums = [0.0] * len(items), {}, {}
+        for src in self.local:
+            out = src.score(items)
+            by_name[src.name] = out.scores
+            sums[f"reward_{src.name}_errors"] = (float(out.errors), 1.0)
+            sums.update({f"reward_{src.name}_{k}": (float(v), 1.0) for k, v in out.counters.items()})
+            total = [t + src.weight * x for t, x in zip(total, out.scores)]
+        if self.uses_genrm:
+            judged = by_name[self.judge_source.name] = [s for g in groups for s in g.genrm]
+            sums.update(self.genrm_sums(groups, self.judge_source.name))
+            total = [t + self.judge_source.weight * x for t, x in zip(total, judged)]
+        sums.update({f"reward_{name}_mean": (sum(x), float(len(x))) for name, x in by_name.items()})
+        return total, by_name[self.accuracy], sums
+
+    def accuracy_scores(self, rows, texts: list[str]) -> list[float]:
+        """The accuracy source's score of each response (``texts[i]`` answers ``rows[i]``)."""
+        src = next(s for s in self.local if s.name == self.accuracy)
+        return src.score([RewardItem(r.question, t, r.entry) for r, t in zip(rows, texts)]).scores
 
     def make_judge(self, seed: int):
         """Build the judge: a vLLM engine of the judge model (collective, see
@@ -66,22 +102,12 @@ class StepScorer:
             g.timed_out = sum(r.timed_out for r in mine)
 
     @staticmethod
-    def genrm_sums(groups) -> dict[str, tuple[float, float]]:
-        """(sum, count) pairs of judged groups: ``reward_genrm_mean`` and the counters
-        ``genrm_unparsable``, ``genrm_timed_out``."""
-        scores = [s for g in groups for s in g.genrm]
+    def genrm_sums(groups, name: str = "genrm") -> dict[str, tuple[float, float]]:
+        """(sum, count) counters of judged groups: ``genrm_unparsable`` (also as
+        ``reward_<name>_errors``) and ``genrm_timed_out``."""
+        unparsable = float(sum(g.unparsable for g in groups))
         return {
-            "reward_genrm_mean": (sum(scores), len(scores)),
-            "genrm_unparsable": (sum(g.unparsable for g in groups), 1.0),
-            "genrm_timed_out": (sum(g.timed_out for g in groups), 1.0),
+            f"reward_{name}_errors": (unparsable, 1.0),
+            "genrm_unparsable": (unparsable, 1.0),
+            "genrm_timed_out": (float(sum(g.timed_out for g in groups)), 1.0),
         }
-
-    def combine(self, rule: list[float], genrm: list[float] | None) -> list[float]:
-        """The training reward by ``reward.type`` (``genrm_with_rule``: weighted sum)."""
-        from yatt.reward.genrm import combine
-
-        if self.cfg.type == "rule":
-            return rule
-        if self.cfg.type == "genrm":
-            return genrm
-        return [float(combine(r, j, self.cfg.genrm.weight)) for r, j in zip(rule, genrm)]

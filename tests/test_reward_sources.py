@@ -1,0 +1,177 @@
+"""Reward sources (``reward.sources``): user functions by import path, math-verify, exact and regex
+match, the weighted mix with per-source metrics, and the migration of ``reward.type`` recipes."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from yatt.config import ConfigError, load_config
+from yatt.reward.function import FunctionReward
+from yatt.reward.item import RewardItem
+from yatt.reward.scorer import StepScorer
+from yatt.reward.verify import MatchReward, MathVerifyReward
+
+RECIPE = "configs/grpo_smollm2.yaml"
+
+
+def _items(responses, row=None):
+    return [RewardItem("q", r, row or {"answer": "7"}) for r in responses]
+
+
+@pytest.mark.parametrize("path", ["reward_fns:length", "reward_fns:async_length"])
+def test_per_response_function(path):
+    out = FunctionReward(path).score(_items(["ab", "abcd", ""]))
+    assert (out.scores, out.errors, out.counters) == ([2.0, 4.0, 0.0], 0, {"timeouts": 0.0})
+
+
+@pytest.mark.parametrize("path", ["reward_fns:lengths", "reward_fns:async_lengths"])
+def test_batched_function_is_called_once_on_lists(path):
+    out = FunctionReward(path, batched=True).score(_items(["ab", "abcd", ""]))
+    assert (out.scores, out.errors) == ([2.0, 4.0, 0.0], 0)
+
+
+def test_a_batch_of_the_wrong_length_is_an_error_for_every_response():
+    out = FunctionReward("reward_fns:short_batch", batched=True, error_score=-1.0).score(_items(["a", "b"]))
+    assert (out.scores, out.errors) == ([-1.0, -1.0], 2)
+
+
+def test_failures_get_the_error_score_and_are_counted():
+    """An exception, non-finite and non-numeric values and a time-out: error_score each, the rest
+    scored; the slow call is left behind (the score returns in about the time-out)."""
+    import time
+
+    fn = FunctionReward("reward_fns:odd_values", timeout_s=0.2, error_score=-0.5)
+    t0 = time.perf_counter()
+    out = fn.score(_items(["raise", "nan", "inf", "str", "bool", "none", "sleep", "fine"]))
+    assert time.perf_counter() - t0 < 4.0  # not the 5 s of the slow call
+    assert out.scores == [-0.5] * 7 + [0.25] and out.errors == 7 and out.counters == {"timeouts": 1.0}
+
+
+def test_async_time_out_is_cancelled_and_counted():
+    out = FunctionReward("reward_fns:async_slow", timeout_s=0.1).score(_items(["sleep", "x"]))
+    assert (out.scores, out.errors, out.counters) == ([0.0, 0.75], 1, {"timeouts": 1.0})
+
+
+def test_the_row_carries_every_field_of_a_file_row(tmp_path):
+    """A jsonl row's own fields (beyond question and answer) reach the function as written."""
+    from transformers import AutoTokenizer
+
+    from yatt.assets.data import load_prompts
+    from yatt.assets.model import resolve_model
+
+    path = tmp_path / "own.jsonl"
+    path.write_text(json.dumps({"problem": "Say hi", "solution": "hi", "expected": "hello", "scale": 0.5}) + "\n")
+    cfg = load_config(RECIPE, ["data.source=file", f"data.eval_files=[{path}]", f"data.train_files=[{path}]",
+                               "data.question_key=problem", "data.answer_key=solution"]).data
+    (row,), _ = load_prompts(cfg, AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")), "eval")
+    assert row.entry["expected"] == "hello" and row.entry["answer"] == "hi" and row.question == "Say hi"
+    out = FunctionReward("reward_fns:uses_row").score([RewardItem(row.question, t, row.entry) for t in ("hello", "hi")])
+    assert out.scores == [0.5, 0.0]
+
+
+@pytest.mark.parametrize("path, message", [
+    ("reward_fns:nope", "has no attribute"), ("no_such_module:f", "No module named"),
+    ("reward_fns:not_callable", "is a int, not callable")])
+def test_a_function_that_cannot_be_loaded_names_the_key(path, message):
+    with pytest.raises(ValueError, match=rf"reward.sources\[0\].path: .*{message}"):
+        StepScorer(load_config(RECIPE, [f"reward.sources=[{{name: f, type: function, path: '{path}'}}]"]).reward,
+                   "basic_arithmetic", {})
+
+
+# the same value written differently (reference, response): math-verify scores 1
+EQUAL = [("0.5", r"So the answer is $\frac{1}{2}$."), (r"\frac{1}{2}", "<answer>0.5</answer>"),
+         ("1/2", r"\boxed{0.5}"), ("3", "3.0"), ("0.25", "<answer>25%</answer>"), ("12", "The total is 12 apples."),
+         (r"\sqrt{4}", "2"), ("-4", "<answer> -4 </answer>")]
+DIFFERENT = [("0.5", r"$\frac{1}{3}$"), ("12", "The total is 13."), ("3", "no number here"), ("2", "<answer></answer>")]
+
+
+def test_math_verify_scores_equal_forms_right_and_others_wrong():
+    mv = MathVerifyReward()
+    right = mv.score([RewardItem("q", resp, {"answer": ref}) for ref, resp in EQUAL])
+    wrong = mv.score([RewardItem("q", resp, {"answer": ref}) for ref, resp in DIFFERENT])
+    assert right.scores == [1.0] * len(EQUAL) and right.errors == 0, right
+    assert wrong.scores == [0.0] * len(DIFFERENT) and wrong.errors == 0, wrong
+
+
+def test_exact_and_regex_match():
+    exact = MatchReward().score(_items(["<answer> 7 </answer>", "it is 7", "<answer>8</answer>", "none"]))
+    assert exact.scores == [1.0, 1.0, 0.0, 0.0]
+    cased = MatchReward(ignore_case=False).score(_items(["<answer>Paris</answer>"], {"answer": "paris"}))
+    assert cased.scores == [0.0]
+    tag = MatchReward(pattern=r"<answer>\s*{answer}\s*</answer>").score(_items(["<answer>7</answer>", "7"]))
+    assert tag.scores == [1.0, 0.0]
+    escaped = MatchReward(pattern="= {answer}$").score(_items(["1+1 = 2", "x = 1.5", "x = 1x5"], {"answer": "1.5"}))
+    assert escaped.scores == [0.0, 1.0, 0.0]  # the answer's "." is matched literally
+
+
+def _groups(texts, genrm=None, answer="7"):
+    row = SimpleNamespace(question="Calculate 3 + 4.", entry={"question": "Calculate 3 + 4.", "answer": answer,
+                                                              "metadata": {}})
+    return [SimpleNamespace(row=row, texts=texts, genrm=genrm, unparsable=1 if genrm else 0, timed_out=0)]
+
+
+def test_weighted_mix_with_per_source_metrics():
+    cfg = load_config(RECIPE, ["reward.sources=[{name: correct, type: match, weight: 1.0}, "
+                               "{name: tag, type: match, pattern: '<answer>', weight: 0.5}, "
+                               "{name: size, type: function, path: 'reward_fns:length', weight: 0.0}]"]).reward
+    scorer = StepScorer(cfg, "basic_arithmetic", {})
+    rewards, accuracy, sums = scorer.score(_groups(["<answer>7</answer>", "7", "<answer>6</answer>"]))
+    assert rewards == [1.5, 1.0, 0.5] and accuracy == [1.0, 1.0, 0.0]  # accuracy: the first source
+    assert sums["reward_correct_mean"] == (2.0, 3.0) and sums["reward_tag_mean"] == (2.0, 3.0)
+    assert sums["reward_size_mean"] == (37.0, 3.0) and sums["reward_size_errors"] == (0.0, 1.0)
+    assert scorer.accuracy_scores([_groups([])[0].row] * 2, ["7", "6"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("legacy, sources", [
+    ("rule", "[{name: rule, type: rule}]"),
+    ("genrm", "[{name: rule, type: rule, weight: 0.0}, {name: genrm, type: genrm}]"),
+    ("genrm_with_rule", "[{name: rule, type: rule, weight: 0.75}, {name: genrm, type: genrm, weight: 0.25}]")])
+def test_reward_type_recipes_are_the_same_sources(legacy, sources):
+    """``reward.type`` keeps working: each value scores as the sources it stands for, bit for bit
+    (``genrm_with_rule``: ``(1 - w) * rule + w * genrm`` with ``reward.genrm.weight`` = 0.25)."""
+    groups = _groups(["<answer>7</answer>", "6", "7 or 8"], genrm=[0.2, 0.9, 0.6])
+    scored = [StepScorer(load_config(RECIPE, ov).reward, "basic_arithmetic", {}, judge_path="judge").score(groups)
+              for ov in ([f"reward.type={legacy}", "reward.genrm.weight=0.25"], [f"reward.sources={sources}"])]
+    assert scored[0] == scored[1]
+    rewards, accuracy, sums = scored[0]
+    rule = [1.0, 0.0, 0.0]
+    expected = {"rule": rule, "genrm": [0.2, 0.9, 0.6],
+                "genrm_with_rule": [0.75 * r + 0.25 * j for r, j in zip(rule, [0.2, 0.9, 0.6])]}[legacy]
+    assert rewards == expected and accuracy == rule and sums["reward_rule_mean"] == (1.0, 3.0)
+    if legacy != "rule":
+        assert sums["reward_genrm_errors"] == sums["genrm_unparsable"] == (1.0, 1.0)
+
+
+def test_config_errors_name_the_key():
+    cases = {
+        "reward.sources=[{name: a, type: function, path: nocolon}]": "reward.sources[0].path",
+        "reward.sources=[{name: a, type: rule}, {name: b, type: reward_modle}]": "reward.sources[1]",
+        "reward.sources=[{name: a, type: rule}, {name: b, type: match, patern: x}]":
+            "unknown config key 'reward.sources[1].patern' (did you mean 'reward.sources[1].pattern'?)",
+        "reward.sources=[{name: a, type: rule}, {name: a, type: match}]": "the name 'a' is used twice",
+        "reward.sources=[{name: a, type: rule, weight: 0}]": "every weight is 0",
+        "reward.sources=[{name: j, type: genrm}, {name: k, type: genrm}]": "more than one genrm source",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                           .replace(")", r"\)").replace("?", r"\?")):
+            load_config(RECIPE, [override])
+    with pytest.raises(ConfigError, match="reward.sources replaces reward.type"):
+        load_config(RECIPE, ["reward.type=genrm", "reward.sources=[{name: a, type: rule}]"])
+    with pytest.raises(ConfigError, match="reward.accuracy: 'b' names no source"):
+        load_config(RECIPE, ["reward.sources=[{name: a, type: rule}]", "reward.accuracy=b"])
+    with pytest.raises(ConfigError, match="no reward source is genrm"):
+        load_config(RECIPE, ["reward.sources=[{name: a, type: rule}]", "placement.mode=partial_colocate"])
+    with pytest.raises(ValueError, match=r"reward.sources\[0\].pattern: not a regular expression"):
+        StepScorer(load_config(RECIPE, ["reward.sources=[{name: a, type: match, pattern: '(x'}]"]).reward,
+                   "basic_arithmetic", {})
+
+
+def test_a_judge_alone_adds_the_rule_scorer_for_accuracy_and_takes_its_model():
+    cfg = load_config(RECIPE, ["reward.sources=[{name: judge, type: genrm, model: my/judge}]"]).reward
+    assert [(s.name, s.weight) for s in cfg.resolved_sources()] == [("judge", 1.0), ("rule", 0.0)]
+    assert cfg.accuracy_source == "rule" and cfg.genrm.model == "my/judge" and cfg.uses_genrm
+    assert math.isclose(cfg.resolved_sources()[0].weight, 1.0)
