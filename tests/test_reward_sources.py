@@ -175,3 +175,29 @@ def test_a_judge_alone_adds_the_rule_scorer_for_accuracy_and_takes_its_model():
     assert [(s.name, s.weight) for s in cfg.resolved_sources()] == [("judge", 1.0), ("rule", 0.0)]
     assert cfg.accuracy_source == "rule" and cfg.genrm.model == "my/judge" and cfg.uses_genrm
     assert math.isclose(cfg.resolved_sources()[0].weight, 1.0)
+
+
+def test_math_verify_on_reasoning_gym_rows_credits_forms_the_task_scorer_misses():
+    """Real rows of reasoning-gym's math tasks: an answer in another form (a decimal for a
+    fraction, a thousands separator, LaTeX in prose) scores 1 with math-verify, where the task's
+    own scorer gives its 0.01 for a malformed answer; wrong values score 0 with both."""
+    import reasoning_gym as rg
+
+    from yatt.reward.rule import RuleReward
+
+    frac = rg.create_dataset("fraction_simplification", size=2, seed=0)
+    gsm = rg.create_dataset("gsm_symbolic", size=1, seed=0)
+    assert (frac[0]["answer"], frac[1]["answer"], gsm[0]["answer"]) == (r"$\dfrac{79}{173}$", "138/583", "28080")
+    cases = [  # (task, row, response, math-verify's score, the task scorer's)
+        ("fraction_simplification", frac[0], "<answer>0.4566473988</answer>", 1.0, 0.01),
+        ("fraction_simplification", frac[1], r"The answer is $\frac{138}{583}$", 1.0, 0.01),
+        ("fraction_simplification", frac[0], "<answer>79/173</answer>", 1.0, 1.0),
+        ("fraction_simplification", frac[0], "<answer>138/583</answer>", 0.0, 0.05),
+        ("gsm_symbolic", gsm[0], "<answer>28,080</answer>", 1.0, 0.01),
+        ("gsm_symbolic", gsm[0], "<answer>28080.0</answer>", 1.0, 1.0),
+        ("gsm_symbolic", gsm[0], "So he earns 28000.", 0.0, 0.01),
+    ]
+    mv = MathVerifyReward()
+    for task, row, response, math_score, rule_score in cases:
+        assert mv.score([RewardItem(row["question"], response, row)]).scores == [math_score], response
+        assert RuleReward(task)(response, row) == rule_score, response
