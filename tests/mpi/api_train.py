@@ -8,17 +8,22 @@ job only through ``Trainer``'s arguments and overrides).
 """
 import json
 import math
+import os
 import sys
 
 from yatt import Trainer
 
 out = sys.argv[1]
+eval_file = f"{out}_eval.jsonl"  # 16 of the held-out problems: the run checks the eval path, not accuracy
+with open("examples/own_data/eval.jsonl") as src, open(f"{eval_file}.{os.getpid()}", "w") as dst:
+    dst.writelines(src.readlines()[:16])
+os.replace(f"{eval_file}.{os.getpid()}", eval_file)  # each rank writes it whole; neither sees a partial file
 trainer = Trainer(actor_model="smollm2-135m-instruct", reward_model=None, strategy="colocate",
                   recipe="configs/grpo_smollm2.yaml",
                   overrides={"output_dir": out, "trainer.total_steps": 2, "trainer.pp": 2, "rollout.n": 2,
                              "rollout.max_tokens": 24, "data.eval_size": 4, "eval.max_tokens": 16,
                              "algo.dynamic_sampling": True, "algo.max_sampling_rounds": 1,
-                             "data.eval_files": ["examples/own_data/eval.jsonl"], "data.question_key": "problem",
+                             "data.eval_files": [eval_file], "data.question_key": "problem",
                              "data.answer_key": "solution", "reward.accuracy": "correct", "reward.sources": [
                                  {"name": "correct", "type": "function", "path": "examples.own_data.rewards:correct"},
                                  {"name": "digit", "type": "match", "pattern": r"\d", "weight": 0.25},

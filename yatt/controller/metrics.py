@@ -101,9 +101,9 @@ def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple
 
     Names in ``op_max`` or starting with one of ``max_prefixes`` give the max over ranks of
     their sum, names in ``op_sum`` or ending with one of ``sum_suffixes`` the global sum (counts
-    ignored for both). A name with global
-    count 0 gives 0.0, never NaN. Ranks may pass different names (a GenRM-only rank has no
-    training metrics): a name missing on a rank counts as ``(0, 0)`` there.
+    ignored for both). A name with global count 0 gives 0.0, never NaN. Ranks may pass different
+    names (a GenRM-only rank has no training metrics): a name missing on a rank counts as
+    ``(0, 0)`` there.
     """
     names = sorted(sums)
     if dist.is_initialized():
