@@ -38,12 +38,12 @@ def test_finds_installed_libraries_only():
 
 _RELEASE = """
 import psutil, torch
-from yatt.rollout.vllm_engine import _release_free_heap
+from yatt.preload import release_free_heap
 rss = lambda: psutil.Process().memory_info().rss / 2**20
 blocks = [torch.ones(16384) for _ in range(16384)]  # 1 GiB in 64 KiB tensors
 held = rss()
 del blocks
-_release_free_heap()
+release_free_heap()
 print(held - rss())
 """
 

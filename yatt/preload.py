@@ -13,10 +13,12 @@ run-to-run spread; kept because it never measured slower and vLLM's CPU backend 
 Where to find them: Debian's ``libtcmalloc-minimal4`` (``make setup`` installs it as root), and
 ``libiomp5.so`` from the ``intel-openmp`` wheel in the venv's ``lib`` (a dependency of the
 pinned packages). ``YATT_PRELOAD=0`` turns the restart off; rank 0's log line names the allocator
-and OpenMP runtime in use either way (:func:`yatt.logs.native_runtime`).
+and OpenMP runtime in use either way (:func:`yatt.logs.native_runtime`). :func:`release_free_heap`
+hands freed heap back to the OS through whichever allocator is loaded.
 """
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import os
 import sys
@@ -68,3 +70,23 @@ def restart_with_preload() -> None:
     except OSError as e:
         print(f"yatt: could not restart with LD_PRELOAD={env['LD_PRELOAD']} ({e}); running without",
               file=sys.stderr, flush=True)
+
+
+def release_free_heap() -> None:
+    """Hand freed heap pages back to the OS, through the allocator in use: tcmalloc's
+    ``MallocExtension_ReleaseFreeMemory`` when tcmalloc is loaded (:func:`restart_with_preload`),
+    else glibc's ``malloc_trim``; a no-op elsewhere.
+
+    An engine teardown (a vLLM engine, a reward model) frees gigabytes in many small blocks that
+    the allocator otherwise keeps resident; with an engine rebuilt every step (colocated GenRM on CPU) the resident size
+    crept up by ~1 GiB per step without this. Measured: RSS after a SmolLM2 / Qwen-0.5B
+    teardown 1.15-2.0 GiB without, 0.73-1.4 GiB with (glibc). Under tcmalloc, malloc_trim
+    releases nothing: three SmolLM2 build/teardown cycles left 2.47, 3.49, 3.51 GiB resident
+    (2026-12-02, dev machine).
+    """
+    process = ctypes.CDLL(None)
+    for release, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        fn = getattr(process, release, None)
+        if fn is not None:
+            fn(*args)
+            return

@@ -21,7 +21,6 @@ import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine; must precede vllm import
 
 import contextlib
-import ctypes
 import gc
 import itertools
 import math
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from yatt import logs
+from yatt.preload import release_free_heap
 
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
 _CALLS = itertools.count()  # unique request-id prefix per streamed call
@@ -166,26 +166,6 @@ def _no_heap_wide_gc():
         yield
     finally:
         gc.freeze, gc.unfreeze, gc.collect = saved
-
-
-def _release_free_heap() -> None:
-    """Hand freed heap pages back to the OS, through the allocator in use: tcmalloc's
-    ``MallocExtension_ReleaseFreeMemory`` when tcmalloc is loaded (:mod:`yatt.preload`), else
-    glibc's ``malloc_trim``; a no-op elsewhere.
-
-    An engine teardown frees gigabytes in many small blocks that the allocator otherwise keeps
-    resident; with an engine rebuilt every step (colocated GenRM on CPU) the resident size
-    crept up by ~1 GiB per step without this. Measured: RSS after a SmolLM2 / Qwen-0.5B
-    teardown 1.15-2.0 GiB without, 0.73-1.4 GiB with (glibc). Under tcmalloc, malloc_trim
-    releases nothing: three SmolLM2 build/teardown cycles left 2.47, 3.49, 3.51 GiB resident
-    (2026-12-02, dev machine).
-    """
-    process = ctypes.CDLL(None)
-    for release, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
-        fn = getattr(process, release, None)
-        if fn is not None:
-            fn(*args)
-            return
 
 
 def _final_only():
@@ -477,7 +457,7 @@ class VLLMEngine:
         self._llm = None
         del llm
         gc.collect()
-        _release_free_heap()
+        release_free_heap()
 
     # ------------------------------------------------------------------ helpers
     def _run(self, prompts: list[list[int]], params: list) -> list:
