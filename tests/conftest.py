@@ -215,6 +215,14 @@ def tiny_policy(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_rm(tmp_path_factory) -> Path:
+    """A tiny random one-label Qwen2 sequence classifier (a reward model) with SmolLM2's tokenizer."""
+    path = tmp_path_factory.mktemp("tiny_rm")
+    trainer_tp.save_tiny_reward_model(path)
+    return path
+
+
 @dataclass(frozen=True)
 class DemoRun:
     """A finished 2-step demo run: its output folder and its log (both ranks' stdout + stderr)."""

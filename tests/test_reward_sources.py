@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -153,17 +154,16 @@ def test_config_errors_name_the_key():
             "unknown config key 'reward.sources[1].patern' (did you mean 'reward.sources[1].pattern'?)",
         "reward.sources=[{name: a, type: rule}, {name: a, type: match}]": "the name 'a' is used twice",
         "reward.sources=[{name: a, type: rule, weight: 0}]": "every weight is 0",
-        "reward.sources=[{name: j, type: genrm}, {name: k, type: genrm}]": "more than one genrm source",
+        "reward.sources=[{name: j, type: genrm}, {name: k, type: genrm}]": "j and k both need a judge engine",
     }
     for override, message in cases.items():
-        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
-                           .replace(")", r"\)").replace("?", r"\?")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(RECIPE, [override])
     with pytest.raises(ConfigError, match="reward.sources replaces reward.type"):
         load_config(RECIPE, ["reward.type=genrm", "reward.sources=[{name: a, type: rule}]"])
     with pytest.raises(ConfigError, match="reward.accuracy: 'b' names no source"):
         load_config(RECIPE, ["reward.sources=[{name: a, type: rule}]", "reward.accuracy=b"])
-    with pytest.raises(ConfigError, match="no reward source is genrm"):
+    with pytest.raises(ConfigError, match="no reward source is a judge"):
         load_config(RECIPE, ["reward.sources=[{name: a, type: rule}]", "placement.mode=partial_colocate"])
     with pytest.raises(ValueError, match=r"reward.sources\[0\].pattern: not a regular expression"):
         StepScorer(load_config(RECIPE, ["reward.sources=[{name: a, type: match, pattern: '(x'}]"]).reward,
@@ -173,7 +173,7 @@ def test_config_errors_name_the_key():
 def test_a_judge_alone_adds_the_rule_scorer_for_accuracy_and_takes_its_model():
     cfg = load_config(RECIPE, ["reward.sources=[{name: judge, type: genrm, model: my/judge}]"]).reward
     assert [(s.name, s.weight) for s in cfg.resolved_sources()] == [("judge", 1.0), ("rule", 0.0)]
-    assert cfg.accuracy_source == "rule" and cfg.genrm.model == "my/judge" and cfg.uses_genrm
+    assert cfg.accuracy_source == "rule" and cfg.genrm.model == cfg.judge_model == "my/judge"
     assert math.isclose(cfg.resolved_sources()[0].weight, 1.0)
 
 
@@ -201,3 +201,40 @@ def test_math_verify_on_reasoning_gym_rows_credits_forms_the_task_scorer_misses(
     for task, row, response, math_score, rule_score in cases:
         assert mv.score([RewardItem(row["question"], response, row)]).scores == [math_score], response
         assert RuleReward(task)(response, row) == rule_score, response
+
+
+def test_reward_model_scores_alike_alone_and_in_padded_batches(tiny_rm):
+    """A one-label sequence classifier's logit per response: the same whether scored alone or
+    right-padded in a batch with longer and shorter ones (the last real token is read), and
+    different for different responses; releasing it drops the weights."""
+    from yatt.reward.genrm import JudgeItem
+    from yatt.reward.reward_model import RewardModelScorer
+
+    rm = RewardModelScorer(str(tiny_rm), batch_size=3)
+    items = [JudgeItem("What is 3 + 4?", r, "7") for r in
+             ["7", "It is seven.", "The answer is 7 because 3 + 4 = 7, as counting shows.", "8", ""]]
+    batched = [r.score for r in rm.score(items)]
+    alone = [rm.score([it])[0].score for it in items]
+    assert all(math.isfinite(s) for s in batched) and len({round(s, 4) for s in batched}) == len(items)
+    assert batched == pytest.approx(alone, abs=1e-5)
+    rm.engine.shutdown()
+    assert rm.model is None
+
+
+def test_a_reward_model_has_one_label_and_the_job_one_judge(tmp_path):
+    from conftest import trainer_tp as ref
+    from yatt.reward.reward_model import RewardModelScorer
+
+    ref.save_tiny_reward_model(tmp_path, num_labels=2)
+    with pytest.raises(ValueError, match="2 labels; a reward model has one"):
+        RewardModelScorer(str(tmp_path))
+    rm = "{name: rm, type: reward_model, model: /x}"
+    with pytest.raises(ConfigError, match="j and rm both need a judge engine"):
+        load_config(RECIPE, [f"reward.sources=[{{name: j, type: genrm}}, {rm}]"])
+    with pytest.raises(ConfigError, match="the reward_model source cannot score the evaluation"):
+        load_config(RECIPE, [f"reward.sources=[{rm}]", "reward.accuracy=rm"])
+    for mode in ("partial_colocate", "disaggregated"):  # their engine builds pair a vLLM build on every rank
+        with pytest.raises(ConfigError, match=f"placement.mode: {mode} builds the judge on GenRM ranks"):
+            load_config(RECIPE, [f"reward.sources=[{rm}]", f"placement.mode={mode}"])
+    cfg = load_config(RECIPE, [f"reward.sources=[{rm}]"]).reward
+    assert (cfg.judge.name, cfg.judge_model, cfg.accuracy_source) == ("rm", "/x", "rule")

@@ -132,10 +132,19 @@ class GenRMSourceConfig(_Source):
     model: str | None = Field(None, description="the judge model (None: reward.genrm.model)")
 
 
+class RewardModelSourceConfig(_Source):
+    type: Literal["reward_model"] = Field(
+        description="a discriminative reward model: a one-label sequence-classification HF folder (Llama, Qwen2)")
+    model: str = Field(description="the reward model's HF folder (or a packaged model name)")
+    batch_size: int = Field(16, gt=0, description="sequences per forward pass")
+    max_length: int = Field(1024, gt=0, description="most tokens of prompt + response (longer: the last ones kept)")
+
+
 RewardSourceConfig = Annotated[Union[RuleSourceConfig, FunctionSourceConfig, MathVerifySourceConfig,
-                                     MatchSourceConfig, HttpSourceConfig, GenRMSourceConfig],
-                               Field(discriminator="type")]
-# source types scored without an engine, on the trainer ranks (yatt/reward/sources.py)
+                                     MatchSourceConfig, HttpSourceConfig, GenRMSourceConfig,
+                                     RewardModelSourceConfig], Field(discriminator="type")]
+# source types scored without an engine, on the trainer ranks (yatt/reward/sources.py); the others
+# (genrm, reward_model) are the job's judge, held and placed by yatt/placement/runner.py
 LOCAL_SOURCES = ("rule", "function", "math_verify", "match", "http")
 
 
@@ -145,10 +154,10 @@ class RewardConfig(_Section):
                     "(their weighted sum, reward.genrm.weight)")
     sources: list[RewardSourceConfig] = Field(default_factory=list,
         description="the reward as a weighted sum of named sources (rule, function, math_verify, match, http, "
-                    "genrm); replaces reward.type")
+                    "genrm, reward_model); replaces reward.type")
     accuracy: str | None = Field(None,
         description="the source whose score 1 counts as correct (accuracy, eval_accuracy; eval scores with it); "
-                    "default: the first source that is not genrm, else the task's rule scorer")
+                    "default: the first source that is not a judge, else the task's rule scorer")
     extract: Literal["answer_tag", "answer_tag_or_last_number"] = Field("answer_tag_or_last_number",
         description="how the answer is read from a response for the rule, match and math_verify sources")
     genrm: GenRMConfig = Field(default_factory=GenRMConfig, description="the generative reward model (judge)")
@@ -163,39 +172,47 @@ class RewardConfig(_Section):
             raise ValueError(f"reward.sources: the name {name!r} is used twice")
         if self.sources and not any(s.weight > 0 for s in self.sources):
             raise ValueError("reward.sources: every weight is 0; give at least one source a positive weight")
-        judges = [s for s in self.sources if s.type == "genrm"]
+        judges = [s for s in self.sources if s.type not in LOCAL_SOURCES]
         if len(judges) > 1:
-            raise ValueError("reward.sources: more than one genrm source (one judge, set up by reward.genrm)")
-        if judges and judges[0].model is not None:
+            raise ValueError(f"reward.sources: {' and '.join(s.name for s in judges)} both need a judge engine; a "
+                             "job has one judge (a genrm or a reward_model source)")
+        if judges and judges[0].type == "genrm" and judges[0].model is not None:
             self.genrm.model = judges[0].model
         if self.accuracy is not None and self.accuracy not in [s.name for s in self.resolved_sources()]:
             raise ValueError(f"reward.accuracy: {self.accuracy!r} names no source of reward.sources")
         if self.accuracy is not None and self.accuracy in [s.name for s in judges]:
-            raise ValueError("reward.accuracy: the genrm source cannot score the evaluation; name another source")
+            raise ValueError(f"reward.accuracy: the {judges[0].type} source cannot score the evaluation (no judge "
+                             "runs then); name another source")
         return self
 
     def resolved_sources(self) -> list:
         """The sources the reward is made of: ``sources``, or the ones ``type`` stands for (``rule``;
         ``genrm``: the judge, with the rule scorer at weight 0 for accuracy; ``genrm_with_rule``: both,
         weighted ``1 - genrm.weight`` and ``genrm.weight``). Without ``accuracy`` and without a source
-        that is not genrm, the task's rule scorer is added at weight 0."""
+        besides the judge (genrm or reward_model), the task's rule scorer is added at weight 0."""
         if not self.sources:
             w = {"rule": 0.0, "genrm": 1.0, "genrm_with_rule": self.genrm.weight}[self.type]
             rule = RuleSourceConfig(name="rule", type="rule", weight=1.0 - w)
             return [rule] if self.type == "rule" else [rule, GenRMSourceConfig(name="genrm", type="genrm", weight=w)]
-        if self.accuracy is None and all(s.type == "genrm" for s in self.sources):
+        if self.accuracy is None and all(s.type not in LOCAL_SOURCES for s in self.sources):
             return [*self.sources, RuleSourceConfig(name="rule", type="rule", weight=0.0)]
         return list(self.sources)
 
     @property
-    def uses_genrm(self) -> bool:
-        """A source is the GenRM judge."""
-        return any(s.type == "genrm" for s in self.resolved_sources())
+    def judge(self):
+        """The source scored on the judge's engine (genrm or reward_model), or None."""
+        return next((s for s in self.resolved_sources() if s.type not in LOCAL_SOURCES), None)
+
+    @property
+    def judge_model(self) -> str | None:
+        """The judge's model: ``reward.genrm.model`` or the reward_model source's ``model``."""
+        judge = self.judge
+        return None if judge is None else self.genrm.model if judge.type == "genrm" else judge.model
 
     @property
     def accuracy_source(self) -> str:
         """The name of the source whose score 1 counts as correct (see ``accuracy``)."""
-        return self.accuracy or next(s.name for s in self.resolved_sources() if s.type != "genrm")
+        return self.accuracy or next(s.name for s in self.resolved_sources() if s.type in LOCAL_SOURCES)
 
 
 class PlacementConfig(_Section):
@@ -428,9 +445,13 @@ class Config(_Section):
             raise ValueError("algo.mini_batches: more mini-batches than samples per rank "
                              "(trainer.prompts_per_rank * rollout.n)")
         p = self.placement
-        if p.mode != "colocate" and not self.reward.uses_genrm:
+        if p.mode != "colocate" and self.reward.judge is None:
             raise ValueError(f"placement.mode: {p.mode} splits rollout and GenRM ranks, but no reward source "
-                             "is genrm")
+                             "is a judge (genrm or reward_model)")
+        if p.mode != "colocate" and self.reward.judge.type == "reward_model":
+            raise ValueError(f"placement.mode: {p.mode} builds the judge on GenRM ranks while samplers build vLLM "
+                             "engines, a collective step that a reward model (a transformers forward, not a vLLM "
+                             "engine) does not take part in; use placement.mode=colocate with a reward_model source")
         if p.genrm_ranks != "auto" and p.genrm_ranks < 1:
             raise ValueError(f"placement.genrm_ranks: must be >= 1 or 'auto', got {p.genrm_ranks}")
         if p.genrm_ranks == "auto" and p.mode != "partial_colocate":

@@ -89,7 +89,7 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
     model_path = _resolve_model_once(cfg.model.path, info)
     critic_path = _resolve_model_once(cfg.critic.model, info) if cfg.critic.model else model_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    judge_path = _resolve_model_once(cfg.reward.genrm.model, info) if cfg.reward.uses_genrm else None
+    judge_path = _resolve_model_once(cfg.reward.judge_model, info) if cfg.reward.judge else None
     bars = info.rank == 0 and cfg.log.progress  # progress bars on rank 0
     scorer = StepScorer(cfg.reward, cfg.data.task, cfg.data.task_config, judge_path,
                         progress="genrm" if bars else None)

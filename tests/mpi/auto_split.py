@@ -19,7 +19,7 @@ def main() -> None:
     cfg = SimpleNamespace(placement=SimpleNamespace(mode="partial_colocate", genrm_ranks="auto", auto_repeats=1,
                                                               keep_engines="always"),
                           reward=SimpleNamespace(type="genrm"), seed=0)
-    placement = Placement(cfg, rank, world, build_rollout=None, scorer=SimpleNamespace(uses_genrm=True), decode=None)
+    placement = Placement(cfg, rank, world, build_rollout=None, scorer=SimpleNamespace(uses_judge=True), decode=None)
     cost = {1: 9.0, 2: 4.0, 3: 7.0}
     seen = []
     for step in range(6):

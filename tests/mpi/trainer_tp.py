@@ -136,6 +136,19 @@ def save_tiny_vllm(path, model_type: str = "qwen2", **config):
     return model
 
 
+def save_tiny_reward_model(path, num_labels: int = 1, seed: int = 0):
+    """A tiny random ``Qwen2ForSequenceClassification`` (:func:`save_tiny_vllm`'s body, a score
+    head of ``num_labels`` from ``seed``) with SmolLM2's tokenizer, saved to ``path``."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    save_tiny_vllm(path, tied=False, max_position_embeddings=2048)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.save_pretrained(path)
+
+
 def tiny_model_dir(rank: int, tag: str, **config):
     """:func:`save_tiny_vllm` (4 layers, then ``config``) written by rank 0 to a temp folder named by
     ``tag`` and the job's MASTER_PORT; every rank returns the folder after a barrier. Rank 0

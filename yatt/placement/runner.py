@@ -84,8 +84,8 @@ class Placement:
 
     def __init__(self, cfg, rank: int, world: int, build_rollout, scorer, decode, gpu: bool | None = None) -> None:
         p = cfg.placement
-        if p.mode != "colocate" and not scorer.uses_genrm:
-            raise ValueError(f"placement.mode={p.mode} needs a GenRM reward source")
+        if p.mode != "colocate" and not scorer.uses_judge:
+            raise ValueError(f"placement.mode={p.mode} needs a judge (a genrm or reward_model reward source)")
         self.cfg, self.rank, self.world = cfg, rank, world
         self.scorer, self.decode = scorer, decode
         self.search = SplitSearch(1, world - 1, repeats=p.auto_repeats) if p.genrm_ranks == "auto" else None
@@ -118,13 +118,13 @@ class Placement:
 
     def start(self) -> None:
         """Build the engines this rank needs at the start (collective)."""
-        mode, uses_genrm = self.roles.mode, self.scorer.uses_genrm
+        mode, uses_judge = self.roles.mode, self.scorer.uses_judge
         if mode == "disaggregated":  # one engine per rank, for the whole run
             (self.rollout if self.rank in self.roles.samplers else self.judge).build_now()
             return
         if self.gpu:  # every engine this rank may need, once; slept until its phase
             self.rollout.build_now()
-            if uses_genrm:
+            if uses_judge:
                 self.judge.build_now()
                 self.judge.sleep()
             if mode == "partial_colocate":
@@ -147,7 +147,7 @@ class Placement:
     def releases(self) -> bool:
         """This placement releases engines between phases on CPU (what residency would save)."""
         return not self.gpu and (self.roles.mode == "partial_colocate"
-                                 or (self.roles.mode == "colocate" and self.scorer.uses_genrm))
+                                 or (self.roles.mode == "colocate" and self.scorer.uses_judge))
 
     def released_bytes(self) -> int:
         """Resident memory (bytes, as measured at their builds) of the engines this rank would keep
@@ -211,7 +211,7 @@ class Placement:
         with timer("rollout"):
             completions = self.rollout.wake().generate([r.prompt_ids for r in rows], spec)
         groups = [self._group(gid, self.rank, self.rank, row, comps) for gid, row, comps in zip(gids, rows, completions)]
-        if self.scorer.uses_genrm:  # the rollout engine gives its memory to the judge
+        if self.scorer.uses_judge:  # the rollout engine gives its memory to the judge
             with timer("engines"):
                 self._release(self.rollout)
                 judge = self.judge.wake()

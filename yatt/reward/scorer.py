@@ -11,7 +11,7 @@ placement's business (:mod:`yatt.placement.runner`); :meth:`StepScorer.score` ad
 """
 from __future__ import annotations
 
-from yatt.config import RewardConfig
+from yatt.config import LOCAL_SOURCES, RewardConfig
 from yatt.reward.item import RewardItem
 from yatt.reward.sources import build_source
 
@@ -31,14 +31,13 @@ class StepScorer:
     def __init__(self, cfg: RewardConfig, task: str, task_config: dict, judge_path=None, progress: str | None = None):
         self.cfg = cfg
         self.progress = progress
-        sources = cfg.resolved_sources()
-        self.local = [build_source(s, i, cfg.extract, task, task_config) for i, s in enumerate(sources)
-                      if s.type != "genrm"]
-        self.judge_source = next((s for s in sources if s.type == "genrm"), None)
-        self.uses_genrm = self.judge_source is not None
+        self.local = [build_source(s, i, cfg.extract, task, task_config)
+                      for i, s in enumerate(cfg.resolved_sources()) if s.type in LOCAL_SOURCES]
+        self.judge_source = cfg.judge  # genrm or reward_model: scored on the judge's engine
+        self.uses_judge = self.judge_source is not None
         self.accuracy = cfg.accuracy_source
-        if self.uses_genrm and judge_path is None:
-            raise ValueError("a genrm reward source needs a judge model")
+        if self.uses_judge and judge_path is None:
+            raise ValueError(f"the {self.judge_source.type} reward source needs its model")
         self.judge_path = judge_path
 
     def score(self, groups) -> tuple[list[float], list[float], dict[str, tuple[float, float]]]:
@@ -57,9 +56,9 @@ class StepScorer:
             sums[f"reward_{src.name}_errors"] = (float(out.errors), 1.0)
             sums.update({f"reward_{src.name}_{k}": (float(v), 1.0) for k, v in out.counters.items()})
             total = [t + src.weight * x for t, x in zip(total, out.scores)]
-        if self.uses_genrm:
+        if self.uses_judge:
             judged = by_name[self.judge_source.name] = [s for g in groups for s in g.genrm]
-            sums.update(self.genrm_sums(groups, self.judge_source.name))
+            sums.update(self.judge_sums(groups))
             total = [t + self.judge_source.weight * x for t, x in zip(total, judged)]
         sums.update({f"reward_{name}_mean": (sum(x), float(len(x))) for name, x in by_name.items()})
         return total, by_name[self.accuracy], sums
@@ -70,13 +69,19 @@ class StepScorer:
         return src.score([RewardItem(r.question, t, r.entry) for r, t in zip(rows, texts)]).scores
 
     def make_judge(self, seed: int):
-        """Build the judge: a vLLM engine of the judge model (collective, see
-        :mod:`yatt.rollout.vllm_engine`) wrapped in a :class:`~yatt.reward.genrm.GenRMJudge`.
-        Shut it down with ``judge.engine.shutdown()``."""
+        """Build the judge: for a genrm source a vLLM engine of the judge model (collective, see
+        :mod:`yatt.rollout.vllm_engine`) wrapped in a :class:`~yatt.reward.genrm.GenRMJudge`, for a
+        reward_model source a :class:`~yatt.reward.reward_model.RewardModelScorer`. Shut it down
+        with ``judge.engine.shutdown()``."""
         from transformers import AutoTokenizer
 
         from yatt.reward.genrm import GenRMJudge
+        from yatt.reward.reward_model import RewardModelScorer
         from yatt.rollout.vllm_engine import VLLMEngine
+
+        src = self.judge_source
+        if src.type == "reward_model":
+            return RewardModelScorer(str(self.judge_path), src.batch_size, src.max_length)
 
         g = self.cfg.genrm
         engine = VLLMEngine(str(self.judge_path), max_model_len=g.max_model_len,
@@ -88,8 +93,9 @@ class StepScorer:
     def judge_groups(self, judge, groups) -> None:
         """Judge every response of ``groups`` (SampleGroup-like: ``row``, ``texts``) in one batch.
 
-        Sets each group's ``genrm`` (one score in [0, 1] per response), ``unparsable`` and
-        ``timed_out`` (judgements counted as such; a timed-out one is also unparsable).
+        Sets each group's ``genrm`` (one score per response: in [0, 1] from a GenRM, a reward
+        model's logit), ``unparsable`` and ``timed_out`` (GenRM judgements counted as such; a
+        timed-out one is also unparsable).
         """
         from yatt.reward.genrm import JudgeItem
 
@@ -101,13 +107,13 @@ class StepScorer:
             g.unparsable = sum(r.unparsable for r in mine)
             g.timed_out = sum(r.timed_out for r in mine)
 
-    @staticmethod
-    def genrm_sums(groups, name: str = "genrm") -> dict[str, tuple[float, float]]:
-        """(sum, count) counters of judged groups: ``genrm_unparsable`` (also as
-        ``reward_<name>_errors``) and ``genrm_timed_out``."""
+    def judge_sums(self, groups) -> dict[str, tuple[float, float]]:
+        """(sum, count) counters of judged groups: ``reward_<judge>_errors`` (a GenRM's
+        unparsable judgements; a reward model has none), and for a GenRM ``genrm_unparsable``
+        and ``genrm_timed_out``."""
         unparsable = float(sum(g.unparsable for g in groups))
-        return {
-            f"reward_{name}_errors": (unparsable, 1.0),
-            "genrm_unparsable": (unparsable, 1.0),
-            "genrm_timed_out": (float(sum(g.timed_out for g in groups)), 1.0),
-        }
+        sums = {f"reward_{self.judge_source.name}_errors": (unparsable, 1.0)}
+        if self.judge_source.type == "genrm":
+            sums.update(genrm_unparsable=(unparsable, 1.0),
+                        genrm_timed_out=(float(sum(g.timed_out for g in groups)), 1.0))
+        return sums
