@@ -159,7 +159,8 @@ class RewardConfig(_Section):
         description="the source whose score 1 counts as correct (accuracy, eval_accuracy; eval scores with it); "
                     "default: the first source that is not a judge, else the task's rule scorer")
     extract: Literal["answer_tag", "answer_tag_or_last_number"] = Field("answer_tag_or_last_number",
-        description="how the answer is read from a response for the rule, match and math_verify sources")
+        description="how the answer is read from a response for the rule and exact-match sources "
+                    "(math_verify reads the last <answer> tag, else the whole response)")
     genrm: GenRMConfig = Field(default_factory=GenRMConfig, description="the generative reward model (judge)")
 
     @model_validator(mode="after")
