@@ -517,6 +517,15 @@ class Config(_Section):
         return self
 
 
+def tagged_members(ann) -> dict[str, type[BaseModel]] | None:
+    """``{type tag: model}`` of a field annotated as a list of a discriminated union
+    (``reward.sources``), else None."""
+    if get_origin(ann) is not list or get_origin(get_args(ann)[0]) is not Annotated:
+        return None
+    members = get_args(get_args(get_args(ann)[0])[0])
+    return {get_args(m.model_fields["type"].annotation)[0]: m for m in members}
+
+
 def _walk(loc: tuple) -> tuple[str, type[BaseModel] | None]:
     """The dotted key of a pydantic error location (list items as ``[i]``, a discriminated union's
     tag dropped: ``reward.sources[0].path``) and the model it ends in (None past a leaf)."""
@@ -530,12 +539,9 @@ def _walk(loc: tuple) -> tuple[str, type[BaseModel] | None]:
             continue
         field = model.model_fields.get(str(part)) if model is not None else None
         key += f"{'.' if key else ''}{part}"
-        ann, model, union = getattr(field, "annotation", None), None, None
-        if get_origin(ann) is list and get_origin(get_args(ann)[0]) is Annotated:
-            members = get_args(get_args(get_args(ann)[0])[0])
-            union = {get_args(m.model_fields["type"].annotation)[0]: m for m in members}
-        elif isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
+        ann = getattr(field, "annotation", None)
+        union = tagged_members(ann)
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
     return key or "<root>", model
 
 

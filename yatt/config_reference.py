@@ -19,25 +19,17 @@ from pathlib import Path
 import annotated_types
 from pydantic import BaseModel
 
-from yatt.config import Config
+from yatt.config import Config, tagged_members
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="), (annotated_types.Lt, "lt", "<"),
            (annotated_types.Le, "le", "<="))
 
 
-def _tagged(ann) -> dict[str, type[BaseModel]] | None:
-    """``{tag: model}`` of a list of a discriminated union (``reward.sources``), else None."""
-    if typing.get_origin(ann) is not list or typing.get_origin(typing.get_args(ann)[0]) is not typing.Annotated:
-        return None
-    members = typing.get_args(typing.get_args(typing.get_args(ann)[0])[0])
-    return {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in members}
-
-
 def _type(ann) -> str:
     """A recipe writer's name for a field type: ``int``, ``float or null``, ``one of "a", "b"``."""
-    if _tagged(ann):
-        return "list of mappings, each by its `type`: " + ", ".join(f'"{t}"' for t in _tagged(ann))
+    if tagged_members(ann):
+        return "list of mappings, each by its `type`: " + ", ".join(f'"{t}"' for t in tagged_members(ann))
     if typing.get_origin(ann) is typing.Literal:
         return "one of " + ", ".join(json.dumps(a) for a in typing.get_args(ann))
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
@@ -65,7 +57,7 @@ def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, 
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             out += _sections(field.annotation, f"{prefix}{name}.")
-        for tag, member in (_tagged(field.annotation) or {}).items():
+        for tag, member in (tagged_members(field.annotation) or {}).items():
             out.append((f"{prefix}{name}[]` of type `{tag}", f"{prefix}{name}[].", member))
     return out
 

@@ -78,8 +78,8 @@ def release_free_heap() -> None:
     else glibc's ``malloc_trim``; a no-op elsewhere.
 
     An engine teardown (a vLLM engine, a reward model) frees gigabytes in many small blocks that
-    the allocator otherwise keeps resident; with an engine rebuilt every step (colocated GenRM on CPU) the resident size
-    crept up by ~1 GiB per step without this. Measured: RSS after a SmolLM2 / Qwen-0.5B
+    the allocator otherwise keeps resident; with an engine rebuilt every step (colocated GenRM on
+    CPU) the resident size crept up by ~1 GiB per step without this. Measured: RSS after a SmolLM2 / Qwen-0.5B
     teardown 1.15-2.0 GiB without, 0.73-1.4 GiB with (glibc). Under tcmalloc, malloc_trim
     releases nothing: three SmolLM2 build/teardown cycles left 2.47, 3.49, 3.51 GiB resident
     (2026-12-02, dev machine).

@@ -12,11 +12,13 @@ placement's business (:mod:`yatt.placement.runner`); :meth:`StepScorer.score` ad
 from __future__ import annotations
 
 from yatt.config import LOCAL_SOURCES, RewardConfig
+from yatt.reward.http import COUNTERS as HTTP_COUNTERS
 from yatt.reward.item import RewardItem
 from yatt.reward.sources import build_source
 
-# metric name endings of source counters: summed over ranks, not averaged
-COUNTER_SUFFIXES = ("_errors", "_timeouts", "_retries", "_requests", "_failed_batches")
+# metric name endings of source counters (errors, and the counters of the HTTP source, a superset of
+# the function source's): summed over ranks, not averaged
+COUNTER_SUFFIXES = ("_errors", *(f"_{k}" for k in HTTP_COUNTERS))
 
 
 class StepScorer:
