@@ -203,10 +203,13 @@ def test_math_verify_on_reasoning_gym_rows_credits_forms_the_task_scorer_misses(
         assert RuleReward(task)(response, row) == rule_score, response
 
 
-def test_reward_model_scores_alike_alone_and_in_padded_batches(tiny_rm):
-    """A one-label sequence classifier's logit per response: the same whether scored alone or
-    right-padded in a batch with longer and shorter ones (the last real token is read), and
-    different for different responses; releasing it drops the weights."""
+def test_reward_model_engine_scores_the_transformers_logit(tiny_rm):
+    """A one-label sequence classifier served by vLLM's pooling runner gives, per response, the
+    logit that transformers' forward of the same folder gives at the last token (fp32, within
+    1e-4), alone or batched with longer and shorter ones, different for different responses."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
     from yatt.reward.genrm import JudgeItem
     from yatt.reward.reward_model import RewardModelScorer
 
@@ -215,10 +218,13 @@ def test_reward_model_scores_alike_alone_and_in_padded_batches(tiny_rm):
              ["7", "It is seven.", "The answer is 7 because 3 + 4 = 7, as counting shows.", "8", ""]]
     batched = [r.score for r in rm.score(items)]
     alone = [rm.score([it])[0].score for it in items]
+    hf = AutoModelForSequenceClassification.from_pretrained(tiny_rm, torch_dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = [float(hf(input_ids=torch.tensor([rm._ids(it)])).logits[0, 0]) for it in items]
     assert all(math.isfinite(s) for s in batched) and len({round(s, 4) for s in batched}) == len(items)
-    assert batched == pytest.approx(alone, abs=1e-5)
+    assert batched == pytest.approx(ref, abs=1e-4) and alone == pytest.approx(ref, abs=1e-4)
+    assert rm.score([]) == []
     rm.engine.shutdown()
-    assert rm.model is None
 
 
 def test_a_reward_model_has_one_label_and_the_job_one_judge(tmp_path):
@@ -233,8 +239,5 @@ def test_a_reward_model_has_one_label_and_the_job_one_judge(tmp_path):
         load_config(RECIPE, [f"reward.sources=[{{name: j, type: genrm}}, {rm}]"])
     with pytest.raises(ConfigError, match="the reward_model source cannot score the evaluation"):
         load_config(RECIPE, [f"reward.sources=[{rm}]", "reward.accuracy=rm"])
-    for mode in ("partial_colocate", "disaggregated"):  # their engine builds pair a vLLM build on every rank
-        with pytest.raises(ConfigError, match=f"placement.mode: {mode} builds the judge on GenRM ranks"):
-            load_config(RECIPE, [f"reward.sources=[{rm}]", f"placement.mode={mode}"])
     cfg = load_config(RECIPE, [f"reward.sources=[{rm}]"]).reward
     assert (cfg.judge.name, cfg.judge_model, cfg.accuracy_source) == ("rm", "/x", "rule")

@@ -136,8 +136,10 @@ class RewardModelSourceConfig(_Source):
     type: Literal["reward_model"] = Field(
         description="a discriminative reward model: a one-label sequence-classification HF folder (Llama, Qwen2)")
     model: str = Field(description="the reward model's HF folder (or a packaged model name)")
-    batch_size: int = Field(16, gt=0, description="sequences per forward pass")
+    batch_size: int = Field(16, gt=0, description="most sequences per engine step (vLLM pooling runner)")
     max_length: int = Field(1024, gt=0, description="most tokens of prompt + response (longer: the last ones kept)")
+    kv_cache_memory_bytes: int = Field(256 << 20, gt=0, description="the reward model engine's KV-cache size, "
+                                       "bytes (CPU; it must hold max_length tokens)")
 
 
 RewardSourceConfig = Annotated[Union[RuleSourceConfig, FunctionSourceConfig, MathVerifySourceConfig,
@@ -449,10 +451,6 @@ class Config(_Section):
         if p.mode != "colocate" and self.reward.judge is None:
             raise ValueError(f"placement.mode: {p.mode} splits rollout and GenRM ranks, but no reward source "
                              "is a judge (genrm or reward_model)")
-        if p.mode != "colocate" and self.reward.judge.type == "reward_model":
-            raise ValueError(f"placement.mode: {p.mode} builds the judge on GenRM ranks while samplers build vLLM "
-                             "engines, a collective step that a reward model (a transformers forward, not a vLLM "
-                             "engine) does not take part in; use placement.mode=colocate with a reward_model source")
         if p.genrm_ranks != "auto" and p.genrm_ranks < 1:
             raise ValueError(f"placement.genrm_ranks: must be >= 1 or 'auto', got {p.genrm_ranks}")
         if p.genrm_ranks == "auto" and p.mode != "partial_colocate":

@@ -7,48 +7,45 @@ and the response are laid out as a chat (user: question, assistant: response) wi
 chat template, or as ``question\\n\\nresponse`` when it has none, and the score is the model's one
 logit at the last token: an unbounded real number, not a probability.
 
-It runs as a transformers forward pass on the rank (fp32, batches of ``batch_size`` sorted by
-length and right-padded, at most ``max_length`` tokens, the prompt cut from the left if needed).
-The placement holds it in the judge's slot (:mod:`yatt.placement.runner`): built, released and
-streamed to as the GenRM judge is, in every placement mode; releasing it drops the weights.
+It is served by its own vLLM engine with vLLM's pooling runner (fp32, unpadded batches of at most
+``batch_size`` sequences, at most ``max_length`` tokens each, the prompt cut from the left if
+needed). Building and shutting it down are collective like any engine's
+(:mod:`yatt.rollout.vllm_engine`), so the placement holds it in the judge's slot
+(:mod:`yatt.placement.runner`) and builds, releases and streams to it as it does the GenRM
+judge, in every placement mode.
 """
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 
 from yatt.reward.genrm import JudgeItem, JudgeResult
 
 
 class RewardModelScorer:
-    """Scores responses with a one-label sequence-classification model.
+    """Scores responses with a one-label sequence-classification model on a vLLM pooling engine.
 
     Args:
-        path: the model's HF folder. batch_size: sequences per forward pass. max_length: most
+        path: the model's HF folder. batch_size: most sequences per engine step. max_length: most
             tokens of one sequence (longer ones keep their last ``max_length`` tokens).
+        kv_cache_memory_bytes: the engine's KV cache on CPU (it must hold ``max_length`` tokens).
     Raises:
-        ValueError: the folder's model does not have exactly one label, or its tokenizer has no
-            pad token and no EOS token to pad with.
+        ValueError: the folder's model does not have exactly one label.
     """
 
-    can_sleep = False  # released by dropping the weights (shutdown), rebuilt from the folder
+    def __init__(self, path: str, batch_size: int = 16, max_length: int = 1024,
+                 kv_cache_memory_bytes: int = 1 << 28, progress: str | None = None) -> None:
+        from transformers import AutoConfig, AutoTokenizer
 
-    def __init__(self, path: str, batch_size: int = 16, max_length: int = 1024) -> None:
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from yatt.rollout.vllm_engine import VLLMEngine
 
+        labels = AutoConfig.from_pretrained(path).num_labels
+        if labels != 1:
+            raise ValueError(f"reward model {path}: {labels} labels; a reward model has one")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token_id is None:
-            if self.tokenizer.eos_token_id is None:
-                raise ValueError(f"reward model {path}: its tokenizer has neither a pad nor an EOS token")
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=torch.float32)
-        if self.model.config.num_labels != 1:
-            raise ValueError(f"reward model {path}: {self.model.config.num_labels} labels; a reward model has one")
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # where the last real token is
-        self.model.eval()
-        self.batch_size, self.max_length = batch_size, max_length
-        self.engine, self.seed = self, 0  # the placement's judge slot reads .engine and sets .seed
+        self.max_length = max_length
+        self.engine = VLLMEngine(path, runner="pooling", max_model_len=max_length, max_num_seqs=batch_size,
+                                 kv_cache_memory_bytes=kv_cache_memory_bytes, progress=progress)
+        self.seed = 0  # the placement sets it per step, as for a GenRM judge; scoring draws nothing
 
     def _ids(self, item: JudgeItem) -> list[int]:
         tok = self.tokenizer
@@ -62,29 +59,5 @@ class RewardModelScorer:
 
     def score(self, items: Sequence[JudgeItem]) -> list[JudgeResult]:
         """One :class:`~yatt.reward.genrm.JudgeResult` per item; ``score`` is the reward logit."""
-        import torch
-
-        seqs = [self._ids(it) for it in items]
-        scores = [0.0] * len(seqs)
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        pad = self.tokenizer.pad_token_id
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
-                width = max(len(seqs[i]) for i in batch)
-                ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, i in enumerate(batch):
-                    ids[row, :len(seqs[i])], mask[row, :len(seqs[i])] = torch.tensor(seqs[i]), 1
-                logits = self.model(input_ids=ids, attention_mask=mask).logits[:, 0]
-                for row, i in enumerate(batch):
-                    scores[i] = float(logits[row])
-        return [JudgeResult(s, 0, 0, [s]) for s in scores]
-
-    def shutdown(self) -> None:
-        """Drop the weights (the slot's release on CPU) and hand the freed heap back to the OS."""
-        from yatt.preload import release_free_heap
-
-        self.model = None
-        gc.collect()
-        release_free_heap()
+        logits = self.engine.classify([self._ids(it) for it in items]) if items else []
+        return [JudgeResult(row[0], 0, 0, [row[0]]) for row in logits]

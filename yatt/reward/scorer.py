@@ -73,7 +73,8 @@ class StepScorer:
     def make_judge(self, seed: int):
         """Build the judge: for a genrm source a vLLM engine of the judge model (collective, see
         :mod:`yatt.rollout.vllm_engine`) wrapped in a :class:`~yatt.reward.genrm.GenRMJudge`, for a
-        reward_model source a :class:`~yatt.reward.reward_model.RewardModelScorer`. Shut it down
+        reward_model source a :class:`~yatt.reward.reward_model.RewardModelScorer` (a vLLM pooling
+        engine, as collective). Shut it down
         with ``judge.engine.shutdown()``."""
         from transformers import AutoTokenizer
 
@@ -83,7 +84,8 @@ class StepScorer:
 
         src = self.judge_source
         if src.type == "reward_model":
-            return RewardModelScorer(str(self.judge_path), src.batch_size, src.max_length)
+            return RewardModelScorer(str(self.judge_path), src.batch_size, src.max_length,
+                                     src.kv_cache_memory_bytes, progress=self.progress)
 
         g = self.cfg.genrm
         engine = VLLMEngine(str(self.judge_path), max_model_len=g.max_model_len,

@@ -234,6 +234,9 @@ class VLLMEngine:
         logprobs_mode: vLLM logprobs mode for sampled tokens ("raw_logprobs" default).
         progress: label of a tqdm bar over the samples of each call as they finish (vLLM's bar
             for batch calls, with its token speeds); None: no bar. Give it on one rank only.
+        runner: ``"generate"`` (sampling, ``score``) or ``"pooling"`` (a sequence-classification
+            model served by vLLM's pooling runner: :meth:`classify` only; no prefix cache).
+        max_num_seqs: most sequences in one engine step (None: vLLM's default).
     Raises:
         ValueError: ``tp`` does not divide the world size, or ``tp > 1`` without torch.distributed.
         RuntimeError: torch.distributed is initialised but RANK/LOCAL_RANK/WORLD_SIZE/
@@ -243,7 +246,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, tp: int = 1, max_model_len: int = 1024,
                  kv_cache_memory_bytes: int = 1 << 30, seed: int = 0, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.5, logprobs_mode: str = "raw_logprobs",
-                 progress: str | None = None):
+                 progress: str | None = None, runner: str = "generate", max_num_seqs: int | None = None):
         from vllm import LLM
 
         logs.install()  # vLLM's lines that need no action (yatt/logs.py)
@@ -252,8 +255,11 @@ class VLLMEngine:
         self.progress = progress
         self._owns_world = not dist.is_initialized()  # then vLLM creates (and later destroys) it
         kwargs: dict = dict(model=str(model_path), tensor_parallel_size=tp, max_model_len=max_model_len,
-                            seed=seed, dtype=dtype, logprobs_mode=logprobs_mode, enable_prefix_caching=True,
-                            use_tqdm_on_load=logs.level() == "all")  # vLLM's bar over the weight files
+                            seed=seed, dtype=dtype, runner=runner, use_tqdm_on_load=logs.level() == "all")
+        if runner == "generate":
+            kwargs.update(logprobs_mode=logprobs_mode, enable_prefix_caching=True)
+        if max_num_seqs is not None:
+            kwargs.update(max_num_seqs=max_num_seqs)
         if dist.is_initialized():
             world = dist.get_world_size()
             if world % tp:
@@ -407,6 +413,24 @@ class VLLMEngine:
         outs = self._run(sequences, [params] * len(sequences))
         return [[0.0] + [float(d[t].logprob) for t, d in zip(seq[1:], out.prompt_logprobs[1:])]
                 for seq, out in zip(sequences, outs)]
+
+    def classify(self, sequences: list[list[int]]) -> list[list[float]]:
+        """A pooling engine's class logits for each sequence (its last token's, before any
+        sigmoid or softmax).
+
+        Args:
+            sequences: token ids, each of length in [1, max_model_len].
+        Returns:
+            ``out[i]``: the ``num_labels`` logits of ``sequences[i]`` as floats.
+        Raises:
+            ValueError: an empty or too long sequence, or a token id outside the vocabulary.
+        """
+        from vllm import PoolingParams
+
+        self._check(sequences, self.max_model_len)
+        outs = self._live().classify([{"prompt_token_ids": s} for s in sequences],
+                                     pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        return [[float(x) for x in o.outputs.probs] for o in outs]
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
