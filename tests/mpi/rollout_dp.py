@@ -30,6 +30,10 @@ def check_completions(out, prompts, n, max_tokens, eos):
                 assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
 
 
+def _same_tokens(a, b) -> bool:
+    return [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
@@ -78,6 +82,16 @@ def main() -> None:
     dist.all_gather_object(both, (greedy.token_ids, seeded.token_ids))
     assert both[0][0] == both[1][0], "greedy differs across ranks"
     assert both[0][1] != both[1][1], "same seed gave identical samples on two DP ranks"
+
+    # One call whose prompts hold more tokens than an engine step takes (4096): with chunked
+    # prefill a seeded request's prompt was split over steps and vLLM's CPU runner crashed
+    # ("CPU Generator does not use offset"). Seeded, so the call repeats exactly.
+    long_prompts = [p + tok(f"padding {i} words " * 30)["input_ids"] for i, p in enumerate(prompts * 12)]
+    assert sum(map(len, long_prompts)) > 2 * 4096, sum(map(len, long_prompts))
+    spec = SamplingSpec(n=2, max_tokens=4, seed=7)
+    out = engine.generate(long_prompts, spec)
+    check_completions(out, long_prompts, 2, 4, eos)
+    assert _same_tokens(out, engine.generate(long_prompts, spec)), "a seeded call over many steps did not repeat"
 
     # Weight sync on both ranks: perturb the tied embedding, then restore.
     seq = prompts[0] + greedy.token_ids

@@ -278,7 +278,12 @@ class VLLMEngine:
         if self.can_sleep:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
-            kwargs.update(kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True)
+            # no chunked prefill on CPU: a seeded request whose prompt is split over engine steps
+            # crashes vLLM's CPU runner ("CPU Generator does not use offset": it rewinds the
+            # sampler's generator for the discarded partial-prefill sample), which happened as soon
+            # as a call's prompts held more than max_num_batched_tokens (4096) tokens
+            kwargs.update(kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True,
+                          enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         rng_states = _get_rng_states()
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
