@@ -17,7 +17,8 @@ Step 1 of each is warm-up and left out; the printed times are medians of the oth
 from ``on_step_begin`` to ``on_step_end``, generation included; YATT: ``time_step_s``). The last
 line is ``trl_vs_yatt_step_time=<TRL s/step over YATT s/step>`` (above 1: YATT is faster). Mean
 response lengths are printed beside them: the two policies sample their own responses, so the
-token counts differ a little.
+token counts differ a little; the line before the last, ``trl_vs_yatt_per_response_token``, is
+the same ratio per mean response token (each run's seconds per step over its mean response length).
 """
 from __future__ import annotations
 
@@ -122,6 +123,7 @@ def main() -> None:
     t = statistics.median(t_times[1:])
     t_len = statistics.mean(t_lengths[1:]) if len(t_lengths) > 1 else float("nan")
     print(f"trl:  {t:.1f} s/step (steps {[round(x, 1) for x in t_times]}); mean response {t_len:.1f} tokens")
+    print(f"trl_vs_yatt_per_response_token={(t / t_len) / (y / y_len):.2f}")  # seconds per mean response token
     print(f"trl_vs_yatt_step_time={t / y:.2f}")
 
 
