@@ -97,6 +97,15 @@ def test_math_verify_scores_equal_forms_right_and_others_wrong():
     assert wrong.scores == [0.0] * len(DIFFERENT) and wrong.errors == 0, wrong
 
 
+def test_math_verify_evaluates_an_expression_it_finds():
+    """What the README warns of: math-verify takes an expression as an answer and compares its value,
+    so on an arithmetic task a response that restates the question scores 1 (found in real SmolLM2
+    samples on basic_arithmetic); the exact match does not credit it."""
+    restated = _items(["Calculate 3 + 4.", "I think it is 3 + 4 but not sure"])
+    assert MathVerifyReward().score(restated).scores == [1.0, 1.0]
+    assert MatchReward().score(restated).scores == [0.0, 0.0]
+
+
 def test_exact_and_regex_match():
     exact = MatchReward().score(_items(["<answer> 7 </answer>", "it is 7", "<answer>8</answer>", "none"]))
     assert exact.scores == [1.0, 1.0, 0.0, 0.0]
