@@ -36,6 +36,8 @@ SEEN = [
      "only active during inductor compilation will be ignored."),
     ("vllm.engine.arg_utils", None, "The global random seed is set to 7920. Since VLLM_ENABLE_V1_MULTIPROCESSING is "
      "set to False, this may affect the random state of the Python process that launched vLLM."),
+    ("vllm.engine.arg_utils", None, "This model does not officially support disabling chunked prefill. Disabling "
+     "this manually may cause the engine to crash or produce incorrect outputs."),
     ("vllm.platforms.cpu", None, "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'."),
     ("vllm.v1.worker.cpu_worker", None, "libtcmalloc is not found in LD_PRELOAD. For best performance, please follow "
      "the section `set LD_PRELOAD` in https://docs.vllm.ai/en/latest/getting_started/installation/cpu/ to setup "

@@ -68,6 +68,9 @@ NOISE: tuple[Noise, ...] = (
     Noise("vllm.config.vllm", r"Inductor compilation was disabled by user settings", "follows from eager mode"),
     Noise("vllm.engine.arg_utils", r"The global random seed is set to",
           "YATT's engine restores the caller's Python, NumPy and torch RNG states after each build"),
+    Noise("vllm.engine.arg_utils", r"This model does not officially support disabling chunked prefill",
+          "YATT's CPU engines prefill whole prompts (a split prompt crashes vLLM's CPU sampler for seeded "
+          "requests); tests/test_rollout.py checks their logprobs against transformers' and their samples repeat"),
     Noise("vllm.platforms.cpu", r"Reset SSM cache type to float32",
           "a setting for Mamba/SSM layers; the policies and judges YATT loads have none"),
     Noise("vllm.v1.worker.cpu_worker", r"libtcmalloc is not found in LD_PRELOAD", _ADVICE),
