@@ -108,3 +108,21 @@ def test_sigterm_during_start_up_exits_for_requeue(tmp_path, tiny_policy):
     text = log.read_text()
     assert "SIGTERM received during start-up, nothing to save yet (no step done" in text, text[-4000:]
     assert "Traceback" not in text and not list((run / "checkpoints").glob("step_*"))
+
+
+def test_a_killed_sft_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
+    """``stage: sft`` on the same machinery: a run SIGKILLed (every process) once step 2's checkpoint
+    is committed resumes (``resume=auto``) to the uninterrupted run's metrics at every step, the
+    evals included (the weights, Adam moments, LR schedule and data position all restored)."""
+    args = (f"model.path={tiny_policy}", "stage=sft")
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    sft = [r for r in _records(ref) if "sft_loss" in r]
+    assert [r["step"] for r in sft] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in sft)
+    assert sft[-1]["sft_loss"] < sft[0]["sft_loss"]  # it learns the targets
+    proc = launch_job(run, *args)
+    assert wait_job(proc, until=lambda: (run / "checkpoints" / "step_000002").is_dir()) is None
+    kill_job(proc)
+    assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert "resumed from" in (tmp_path / "run.log").read_text()
+    assert _records(run) == _records(ref)

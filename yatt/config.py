@@ -404,6 +404,15 @@ class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="also evaluate every N steps (0: before and after only)")
 
 
+class SftConfig(_Section):
+    """Supervised fine-tuning (``stage: sft``): the target response of each data row."""
+
+    response_key: str | None = Field(None,
+        description="the row field holding the target response (file data); None: response_template")
+    response_template: str = Field("<answer>{answer}</answer>",
+        description="the target response built from the row's answer (data.answer_key); {answer} stands for it")
+
+
 class LogConfig(_Section):
     """What a run shows and writes besides ``metrics.jsonl`` (rank 0 only)."""
 
@@ -425,6 +434,9 @@ class Config(_Section):
         description="auto: from the newest complete checkpoint if any; none: fresh; or a checkpoint path")
     threads_per_rank: int | None = Field(None, gt=0,
         description="torch/OpenMP threads per rank (default: cores / local ranks)")
+    stage: Literal["rl", "sft"] = Field("rl",
+        description="rl: sample, score and update (algo); sft: supervised fine-tuning on each row's target "
+                    "response (sft), the same data shards, balancing, checkpoints, evals and export")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy")
     data: DataConfig = Field(default_factory=DataConfig, description="prompts")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling with vLLM")
@@ -435,6 +447,7 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Megatron-Core training")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO's value model (algo.estimator=gae)")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    sft: SftConfig = Field(default_factory=SftConfig, description="stage: sft's targets")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
         description="async checkpoints and save points")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="dead and hung ranks")
@@ -448,6 +461,10 @@ class Config(_Section):
             raise ValueError("algo.mini_batches: more mini-batches than samples per rank "
                              "(trainer.prompts_per_rank * rollout.n)")
         p = self.placement
+        if self.stage == "sft" and (p.mode != "colocate" or self.critic.enabled):
+            raise ValueError("stage: sft trains the policy alone on every rank (placement.mode=colocate, no critic)")
+        if self.stage == "sft" and "{answer}" not in self.sft.response_template and self.sft.response_key is None:
+            raise ValueError("sft.response_template: must contain {answer} (or give sft.response_key)")
         if p.mode != "colocate" and self.reward.judge is None:
             raise ValueError(f"placement.mode: {p.mode} splits rollout and GenRM ranks, but no reward source "
                              "is a judge (genrm or reward_model)")

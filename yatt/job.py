@@ -143,7 +143,8 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
 
     t, c = cfg.trainer, cfg.critic
     dtype = getattr(torch, cfg.model.dtype)
-    optim_steps = t.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
+    per_step = cfg.algo.ppo_epochs * cfg.algo.mini_batches if cfg.stage == "rl" else 1  # sft: one
+    optim_steps = t.total_steps * per_step
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                         adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
     recompute = t.recompute == "full"

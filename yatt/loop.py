@@ -1,4 +1,4 @@
-"""One RL run as seen from one rank: the step loop, top to bottom.
+"""One run (RL, or another ``stage``) as seen from one rank: the step loop, top to bottom.
 
 Every rank runs this same function (SPMD) on what :func:`yatt.job.build_job` built for it. Per
 step (:func:`_step`): its controller shard draws prompts; the placement (:mod:`yatt.placement`)
@@ -8,7 +8,9 @@ scores them; the outcome estimator gives each group's advantages; the samples ar
 the DP ranks; the Megatron trainer computes old/ref logprobs and the critic values, the token
 stage of the estimator finishes the advantages, the actor and then the critic update; the new
 weights go into the rollout engines; the step's metrics are reduced and written; a save point
-may checkpoint it. :meth:`yatt.job.Job.close` is the one teardown.
+may checkpoint it. :meth:`yatt.job.Job.close` is the one teardown. With ``stage: sft`` a step
+trains on its rows' target responses instead of sampling and scoring (:mod:`yatt.stages.sft`);
+the sync, evals, metrics and save points are the same.
 """
 from __future__ import annotations
 
@@ -38,11 +40,13 @@ from yatt.controller.rebalance import DpBalancer
 from yatt.dist import RankInfo
 from yatt.job import Job, build_job
 from yatt.reward.scorer import COUNTER_SUFFIXES
+from yatt.stages.sft import sft_samples, sft_update
 
 log = logging.getLogger("yatt")
 # summed over ranks, not averaged
 _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
-             "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped")
+             "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped",
+             "sft_rows_skipped")
 _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures")  # max over ranks
 
 
@@ -118,35 +122,62 @@ def _train(job: Job) -> list[dict]:
 
 
 def _step(job: Job, step: int) -> dict:
-    """One RL step on this rank; returns its record (reduced over the ranks)."""
-    cfg = job.cfg
+    """One step on this rank (RL, or the ``stage`` the config names); returns its record (reduced
+    over the ranks)."""
     timer = PhaseTimer(on_enter=lambda name: job.phase(name, step), released_bytes=job.placement.released_bytes)
     t0, sums = time.perf_counter(), {}
-    job.phase("rollout", step)
-    groups, rewards = _rollout_and_score(job, step, timer, sums)
-    if job.trains:
-        mini_batches, skipped = _experience(job, groups, rewards, timer, sums)
-        with timer("logprob"):
-            logprob_sums = compute_logprobs(job.actor, job.ref, mini_batches, cfg.algo.recompute_old_logprobs)
-            if job.critic is not None:
-                compute_values(job.critic, mini_batches)
-            sums.update(finish_advantages(mini_batches, cfg.algo, job.dp_group, job.kl_ctrl))  # token-level stage
-        if step > cfg.critic.freeze_actor_steps:  # 0 unless a critic warms up alone
-            with timer("train"):
-                sums.update(policy_update(job.actor, mini_batches, cfg.algo, job.dp_group, job.guard,
-                                          cfg.rollout.max_tokens, skipped))
-        if job.critic is not None:
-            with timer("critic"):
-                sums.update(critic_update(job.critic, mini_batches, cfg.critic, cfg.algo.ppo_epochs, job.dp_group,
-                                          job.critic_guard))
-        if cfg.trainer.guard.action == "rollback" and sums.get("guard_skipped_updates", (0.0,))[0]:
-            sums["guard_rollbacks"] = (float(job.ckpt.rollback()), 1.0)
-        sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
+    if job.cfg.stage == "sft":
+        _sft_phases(job, step, timer, sums)
+    else:
+        _rl_phases(job, step, timer, sums)
     sums["data_rows_skipped"] = (float(sum(job.train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
     sums["checkpoint_failures"] = (float(job.ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
     timer.merge(job.placement.sync(job.actor, timer.on_enter))
     job.phase("step end", step)
     return _record(job, step, timer, t0, sums)
+
+
+def _rl_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
+    """An RL step's phases up to the weight sync; metrics merged into ``sums``."""
+    cfg = job.cfg
+    job.phase("rollout", step)
+    groups, rewards = _rollout_and_score(job, step, timer, sums)
+    if not job.trains:
+        return
+    mini_batches, skipped = _experience(job, groups, rewards, timer, sums)
+    with timer("logprob"):
+        logprob_sums = compute_logprobs(job.actor, job.ref, mini_batches, cfg.algo.recompute_old_logprobs)
+        if job.critic is not None:
+            compute_values(job.critic, mini_batches)
+        sums.update(finish_advantages(mini_batches, cfg.algo, job.dp_group, job.kl_ctrl))  # token-level stage
+    if step > cfg.critic.freeze_actor_steps:  # 0 unless a critic warms up alone
+        with timer("train"):
+            sums.update(policy_update(job.actor, mini_batches, cfg.algo, job.dp_group, job.guard,
+                                      cfg.rollout.max_tokens, skipped))
+    if job.critic is not None:
+        with timer("critic"):
+            sums.update(critic_update(job.critic, mini_batches, cfg.critic, cfg.algo.ppo_epochs, job.dp_group,
+                                      job.critic_guard))
+    if cfg.trainer.guard.action == "rollback" and sums.get("guard_skipped_updates", (0.0,))[0]:
+        sums["guard_rollbacks"] = (float(job.ckpt.rollback()), 1.0)
+    sums.update(logprob_sums)  # full-batch entropy/diff when the old logprobs were recomputed
+
+
+def _sft_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
+    """A supervised fine-tuning step (:mod:`yatt.stages.sft`): this rank's rows with their target
+    responses, shared over the model replica and balanced over the DP ranks, one optimizer step."""
+    cfg, t = job.cfg, job.cfg.trainer
+    job.phase("train", step)
+    samples, skipped = sft_samples(job.shard.next_batch(), cfg.sft, job.tokenizer, cfg.rollout.max_model_len)
+    sums.update(sft_rows_skipped=(float(skipped), 1.0), tokens_total=(float(sum(s.length for s in samples)), 1.0),
+                response_len_mean=(float(sum(len(s.response_ids) for s in samples)), float(len(samples))))
+    if t.tp * t.pp > 1:  # the ranks of one model replica train on the same data
+        samples = _gather(samples, job.mp_group, t.tp * t.pp)
+    with timer("balance"):
+        minis, _ = _mini_batches(samples, None, job.balancer, cfg, job.tokenizer.pad_token_id, sums, mini_batches=1)
+    if minis:
+        with timer("train"):
+            sums.update(sft_update(job.actor, minis[0], job.dp_group))
 
 
 def _rollout_and_score(job: Job, step: int, timer: PhaseTimer, sums: dict) -> tuple[list, list[list[float]]]:
@@ -207,17 +238,17 @@ def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer,
 def _record(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> dict:
     """Reduce the step's metrics over the ranks (the slowest rank's phase times, idle times),
     tell the placement, write them and print rank 0's line."""
-    idle = sums.pop("idle_s")[0] + _wait_for_peers()  # a rank with nothing left waits here
+    idle = sums.pop("idle_s", (0.0,))[0] + _wait_for_peers()  # a rank with nothing left waits here
     timer.times["time_step_s"] = time.perf_counter() - t0
     sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
     record = {"step": step, **global_means(sums, op_max=_MAXIMA, op_sum=_COUNTERS, sum_suffixes=COUNTER_SUFFIXES,
                                                   max_prefixes=("time_", "mem_peak_"))}
     record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
     record.update(_idle_record(idle))
-    job.placement.end_step(record["time_rollout_genrm_s"], timer.avail_min)
+    job.placement.end_step(record.get("time_rollout_genrm_s", 0.0), timer.avail_min)  # none in sft
     job.writer.write(record)
     if job.info.rank == 0:
-        tqdm.write(_line(record))
+        tqdm.write(_sft_line(record) if job.cfg.stage == "sft" else _line(record))
     return record
 
 
@@ -252,12 +283,12 @@ def _gather(samples, group, size: int):
 
 
 def _mini_batches(samples, keep: list[bool] | None, balancer: DpBalancer | None, cfg: Config, pad_id: int,
-                  sums: dict) -> tuple[list[list[dict]], list[tuple[float, float]]]:
+                  sums: dict, mini_batches: int | None = None) -> tuple[list[list[dict]], list[tuple[float, float]]]:
     """This rank's micro-batches per mini-batch of the samples ``keep`` marks, and per mini-batch the
     (response tokens, sequences) of the left-out ones: after DP balancing (which adds
     ``dp_imbalance_before``, ``dp_imbalance_after`` and ``update_skipped`` to ``sums``), or of its
-    own samples when balancing is off."""
-    m = cfg.algo.mini_batches
+    own samples when balancing is off; ``mini_batches`` of them (default ``algo.mini_batches``)."""
+    m = mini_batches or cfg.algo.mini_batches
     packing = cfg.trainer.packing
     if balancer is None:
         minis = make_mini_batches(samples, m, cfg.trainer.micro_batch_tokens, pad_id, keep, packing)
@@ -335,6 +366,12 @@ def _line(r: dict) -> str:
             f"ent {v('entropy', '.3f')} clip {v('clip_frac', '.3f')} gnorm {v('grad_norm', '.3f')}{critic} "
             f"| len {r['response_len_mean']:.1f}{skipped} | lpdiff {v('logprob_diff_rollout_vs_train', '.1e')} | "
             f"{r['time_step_s']:.1f}s ({phases} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
+
+
+def _sft_line(r: dict) -> str:
+    return (f"step {r['step']:>4} | sft loss {r.get('sft_loss', float('nan')):.4f} gnorm {r.get('grad_norm', float('nan')):.3f} "
+            f"| len {r['response_len_mean']:.1f} | {r['time_step_s']:.1f}s (train {r.get('time_train_s', 0.0):.1f} "
+            f"sync {r.get('time_sync_s', 0.0):.1f} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
 
 
 _PHASES = (("roll", "rollout"), ("genrm", "genrm"), ("lp", "logprob"), ("train", "train"), ("critic", "critic"),

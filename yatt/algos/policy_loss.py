@@ -55,7 +55,8 @@ LOSS_AGGS: dict[str, AggFn] = {}
 ZERO_AT_ZERO_ADVANTAGE: set[str] = set()  # policy losses with no loss and no gradient where A == 0
 
 
-def _register(table: dict, kind: str, name: str):
+def register_in(table: dict, kind: str, name: str):
+    """A decorator adding ``fn`` to ``table`` under ``name``. Raises ValueError: the name is taken."""
     def add(fn):
         if name in table:
             raise ValueError(f"{kind} {name!r} is already registered")
@@ -73,12 +74,12 @@ def register_policy_loss(name: str, *, zero_at_zero_advantage: bool = False):
     the train pass (:mod:`yatt.algos.zero_signal`); ``tests/test_zero_signal.py`` checks the claim."""
     if zero_at_zero_advantage:
         ZERO_AT_ZERO_ADVANTAGE.add(name)
-    return _register(POLICY_LOSSES, "policy loss", name)
+    return register_in(POLICY_LOSSES, "policy loss", name)
 
 
 def register_loss_agg(name: str):
     """Decorator: make ``fn`` selectable as ``algo.loss_agg=<name>``. Raises ValueError: taken."""
-    return _register(LOSS_AGGS, "loss aggregation", name)
+    return register_in(LOSS_AGGS, "loss aggregation", name)
 
 
 @register_policy_loss("ppo_clip", zero_at_zero_advantage=True)

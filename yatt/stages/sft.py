@@ -1,0 +1,57 @@
+"""Supervised fine-tuning (``stage: sft``): the policy learns each row's target response.
+
+A step draws ``trainer.prompts_per_rank`` rows per rank from the same controller shard as RL
+(:mod:`yatt.controller.shard`), makes one :class:`~yatt.controller.batch.Sample` per row (the
+chat-templated prompt, and the target response's tokens followed by the tokenizer's EOS), packs
+and balances them like RL samples and takes one optimizer step on the negative log-likelihood of
+the response tokens (:func:`yatt.algos.preference.sft_loss`), its mean over every response token
+of the step on every DP rank. The target is the row's ``sft.response_key`` field, or
+``sft.response_template`` with the row's answer; a row without one, or too long for
+``rollout.max_model_len`` (the evals' engine), is skipped and counted (``sft_rows_skipped``).
+"""
+from __future__ import annotations
+
+from yatt.algos.preference import sft_loss
+from yatt.algos.update import mini_batch_norm
+from yatt.config import SftConfig
+from yatt.controller.batch import Sample
+
+
+def target_text(row, cfg: SftConfig) -> str | None:
+    """The target response of a :class:`~yatt.assets.data.PromptRow`, or None when it has none
+    (a missing, non-string or empty ``response_key`` field)."""
+    if cfg.response_key is None:
+        return cfg.response_template.replace("{answer}", row.answer)
+    text = row.entry.get(cfg.response_key)
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def sft_samples(rows, cfg: SftConfig, tokenizer, max_len: int) -> tuple[list[Sample], int]:
+    """One Sample per row that has a target of at most ``max_len`` tokens with its prompt; returns
+    (samples, rows skipped). ``response_ids`` are the target's tokens (no special tokens added)
+    and the tokenizer's EOS, so the model learns to stop."""
+    samples, skipped = [], 0
+    for row in rows:
+        text = target_text(row, cfg)
+        ids = None if text is None else tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if ids is None or len(row.prompt_ids) + len(ids) > max_len:
+            skipped += 1
+            continue
+        samples.append(Sample(list(row.prompt_ids), ids, [0.0] * len(ids), "stop"))
+    return samples, skipped
+
+
+def sft_update(actor, micro_batches: list[dict], dp_group=None) -> dict[str, tuple[float, float]]:
+    """One optimizer step on the response tokens' mean negative log-likelihood over ``dp_group``
+    (a rank with no micro-batch still takes part). Returns (sum, count) pairs: ``sft_loss`` (nats
+    per response token), ``grad_norm`` and ``lr``."""
+    tokens = mini_batch_norm(micro_batches, 1, dp_group).tokens
+
+    def loss_fn(logprobs, entropy, mb):
+        mask = mb["response_mask"]
+        return (sft_loss(logprobs, mask, max(tokens, 1.0)),
+                {"nll": -(logprobs.detach() * mask).sum(), "tokens": mask.sum()})
+
+    out = actor.train_step(micro_batches, loss_fn)
+    return {"sft_loss": (out.get("nll", 0.0), out.get("tokens", 0.0)), "grad_norm": (out["grad_norm"], 1.0),
+            "lr": (out["lr"], 1.0)}
