@@ -413,6 +413,17 @@ class SftConfig(_Section):
         description="the target response built from the row's answer (data.answer_key); {answer} stands for it")
 
 
+class DpoConfig(_Section):
+    """Direct preference optimisation (``stage: dpo``) on rows holding a chosen and a rejected response."""
+
+    beta: float = Field(0.1, gt=0, description="KL strength: the implicit reward is beta * (logp - ref_logp)")
+    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid",
+        description="sigmoid: DPO (Rafailov et al. 2023); ipo: IPO (Azar et al. 2023)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="sigmoid only: the chance a preference label is flipped")
+    chosen_key: str = Field("chosen", description="the row field of the preferred response")
+    rejected_key: str = Field("rejected", description="the row field of the dispreferred response")
+
+
 class LogConfig(_Section):
     """What a run shows and writes besides ``metrics.jsonl`` (rank 0 only)."""
 
@@ -434,9 +445,10 @@ class Config(_Section):
         description="auto: from the newest complete checkpoint if any; none: fresh; or a checkpoint path")
     threads_per_rank: int | None = Field(None, gt=0,
         description="torch/OpenMP threads per rank (default: cores / local ranks)")
-    stage: Literal["rl", "sft"] = Field("rl",
+    stage: Literal["rl", "sft", "dpo"] = Field("rl",
         description="rl: sample, score and update (algo); sft: supervised fine-tuning on each row's target "
-                    "response (sft), the same data shards, balancing, checkpoints, evals and export")
+                    "response (sft); dpo: preference optimisation on each row's chosen and rejected response "
+                    "against the frozen model.path (dpo); the same data shards, checkpoints, evals and export")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy")
     data: DataConfig = Field(default_factory=DataConfig, description="prompts")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling with vLLM")
@@ -448,6 +460,7 @@ class Config(_Section):
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO's value model (algo.estimator=gae)")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     sft: SftConfig = Field(default_factory=SftConfig, description="stage: sft's targets")
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="stage: dpo's loss and pair fields")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
         description="async checkpoints and save points")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="dead and hung ranks")
@@ -461,8 +474,11 @@ class Config(_Section):
             raise ValueError("algo.mini_batches: more mini-batches than samples per rank "
                              "(trainer.prompts_per_rank * rollout.n)")
         p = self.placement
-        if self.stage == "sft" and (p.mode != "colocate" or self.critic.enabled):
-            raise ValueError("stage: sft trains the policy alone on every rank (placement.mode=colocate, no critic)")
+        if self.stage != "rl" and (p.mode != "colocate" or self.critic.enabled):
+            raise ValueError(f"stage: {self.stage} trains the policy alone on every rank "
+                             "(placement.mode=colocate, no critic)")
+        if self.stage == "dpo" and self.dpo.loss_type == "ipo" and self.dpo.label_smoothing:
+            raise ValueError("dpo.label_smoothing: ipo has none (sigmoid only)")
         if self.stage == "sft" and "{answer}" not in self.sft.response_template and self.sft.response_key is None:
             raise ValueError("sft.response_template: must contain {answer} (or give sft.response_key)")
         if p.mode != "colocate" and self.reward.judge is None:

@@ -151,7 +151,7 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group,
                            recompute=recompute)
     ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
-           if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 else None)
+           if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo" else None)
     critic = None
     if c.enabled:
         critic_optim = OptimConfig(lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=t.adam_beta1,

@@ -9,8 +9,9 @@ the DP ranks; the Megatron trainer computes old/ref logprobs and the critic valu
 stage of the estimator finishes the advantages, the actor and then the critic update; the new
 weights go into the rollout engines; the step's metrics are reduced and written; a save point
 may checkpoint it. :meth:`yatt.job.Job.close` is the one teardown. With ``stage: sft`` a step
-trains on its rows' target responses instead of sampling and scoring (:mod:`yatt.stages.sft`);
-the sync, evals, metrics and save points are the same.
+trains on its rows' target responses instead of sampling and scoring (:mod:`yatt.stages.sft`),
+with ``stage: dpo`` on their chosen and rejected responses (:mod:`yatt.stages.dpo`); the sync,
+evals, metrics and save points are the same.
 """
 from __future__ import annotations
 
@@ -40,13 +41,14 @@ from yatt.controller.rebalance import DpBalancer
 from yatt.dist import RankInfo
 from yatt.job import Job, build_job
 from yatt.reward.scorer import COUNTER_SUFFIXES
+from yatt.stages.dpo import dpo_eval, dpo_update, pair_micro_batches, pair_samples
 from yatt.stages.sft import sft_samples, sft_update
 
 log = logging.getLogger("yatt")
 # summed over ranks, not averaged
 _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
              "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped",
-             "sft_rows_skipped")
+             "sft_rows_skipped", "dpo_rows_skipped")
 _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures")  # max over ranks
 
 
@@ -126,10 +128,7 @@ def _step(job: Job, step: int) -> dict:
     over the ranks)."""
     timer = PhaseTimer(on_enter=lambda name: job.phase(name, step), released_bytes=job.placement.released_bytes)
     t0, sums = time.perf_counter(), {}
-    if job.cfg.stage == "sft":
-        _sft_phases(job, step, timer, sums)
-    else:
-        _rl_phases(job, step, timer, sums)
+    {"rl": _rl_phases, "sft": _sft_phases, "dpo": _dpo_phases}[job.cfg.stage](job, step, timer, sums)
     sums["data_rows_skipped"] = (float(sum(job.train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
     sums["checkpoint_failures"] = (float(job.ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
     timer.merge(job.placement.sync(job.actor, timer.on_enter))
@@ -178,6 +177,28 @@ def _sft_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
     if minis:
         with timer("train"):
             sums.update(sft_update(job.actor, minis[0], job.dp_group))
+
+
+def _dpo_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
+    """A DPO step (:mod:`yatt.stages.dpo`): this rank's rows as (chosen, rejected) pairs, shared
+    over the model replica, in micro-batches of whole pairs, the reference's logprobs, one step."""
+    job.phase("train", step)
+    micro_batches, sums_rows = _pair_batches(job, job.shard.next_batch())
+    sums.update(sums_rows)
+    with timer("train"):
+        sums.update(dpo_update(job.actor, job.ref, micro_batches, job.cfg.dpo, job.dp_group))
+
+
+def _pair_batches(job: Job, rows) -> tuple[list[dict], dict[str, tuple[float, float]]]:
+    """Micro-batches of whole (chosen, rejected) pairs of ``rows``, shared over the model replica,
+    and this rank's row metrics."""
+    cfg, t = job.cfg, job.cfg.trainer
+    samples, skipped = pair_samples(rows, cfg.dpo, job.tokenizer, cfg.rollout.max_model_len)
+    sums = {"dpo_rows_skipped": (float(skipped), 1.0), "tokens_total": (float(sum(s.length for s in samples)), 1.0),
+            "response_len_mean": (float(sum(len(s.response_ids) for s in samples)), float(len(samples)))}
+    if t.tp * t.pp > 1:  # the ranks of one model replica train on the same data
+        samples = _gather(samples, job.mp_group, t.tp * t.pp)
+    return pair_micro_batches(samples, t.micro_batch_tokens, job.tokenizer.pad_token_id, t.packing), sums
 
 
 def _rollout_and_score(job: Job, step: int, timer: PhaseTimer, sums: dict) -> tuple[list, list[list[float]]]:
@@ -248,7 +269,7 @@ def _record(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> di
     job.placement.end_step(record.get("time_rollout_genrm_s", 0.0), timer.avail_min)  # none in sft
     job.writer.write(record)
     if job.info.rank == 0:
-        tqdm.write(_sft_line(record) if job.cfg.stage == "sft" else _line(record))
+        tqdm.write(_line(record) if job.cfg.stage == "rl" else _stage_line(record, f"{job.cfg.stage}_loss"))
     return record
 
 
@@ -260,9 +281,17 @@ def _evaluate(job: Job, step: int) -> list[dict]:
     with job.placement.eval_engine(job.actor) as engine:
         record = {"step": step, **evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer,
                                            job.cfg.eval.max_tokens)}
+    if job.cfg.stage == "dpo":  # the held-out pairs' preference accuracy
+        record.update(global_means(_dpo_eval_sums(job)))
     job.writer.write(record)
-    log.info("eval step %d: accuracy %.3f reward %.3f", step, record["eval_accuracy"], record["eval_reward_mean"])
+    pairs = (f" pair accuracy {record['eval_pair_accuracy']:.3f} margin {record['eval_reward_margin']:.3f}"
+             if "eval_pair_accuracy" in record else "")
+    log.info("eval step %d: accuracy %.3f reward %.3f%s", step, record["eval_accuracy"], record["eval_reward_mean"], pairs)
     return [record]
+
+
+def _dpo_eval_sums(job: Job) -> dict[str, tuple[float, float]]:
+    return dpo_eval(job.actor, job.ref, _pair_batches(job, job.eval_rows)[0], job.cfg.dpo)
 
 
 def _stop_if_signalled(ckpt: RunCheckpoints, start: int) -> None:
@@ -368,8 +397,10 @@ def _line(r: dict) -> str:
             f"{r['time_step_s']:.1f}s ({phases} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
 
 
-def _sft_line(r: dict) -> str:
-    return (f"step {r['step']:>4} | sft loss {r.get('sft_loss', float('nan')):.4f} gnorm {r.get('grad_norm', float('nan')):.3f} "
+def _stage_line(r: dict, loss: str) -> str:
+    acc = f" acc {r['pair_accuracy']:.3f} margin {r['reward_margin']:.3f}" if "pair_accuracy" in r else ""
+    return (f"step {r['step']:>4} | {loss.replace('_', ' ')} {r.get(loss, float('nan')):.4f}{acc} "
+            f"gnorm {r.get('grad_norm', float('nan')):.3f} "
             f"| len {r['response_len_mean']:.1f} | {r['time_step_s']:.1f}s (train {r.get('time_train_s', 0.0):.1f} "
             f"sync {r.get('time_sync_s', 0.0):.1f} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
 

@@ -1,0 +1,105 @@
+"""Direct preference optimisation (``stage: dpo``): the policy against its frozen start.
+
+A step draws ``trainer.prompts_per_rank`` rows per rank, each a prompt with a chosen and a rejected
+response (``dpo.chosen_key``, ``dpo.rejected_key``; :mod:`yatt.stages.pairs` makes them from a
+policy's own samples), and makes two samples per row, chosen then rejected, each response followed
+by EOS. Micro-batches hold whole pairs (no DP balancing: a pair's loss needs both of its
+sequences), packed as RL's (``trainer.packing``; with ``shared_prompt`` a pair's prompt runs
+once). The frozen reference (the model at ``model.path``) gives each sequence's logprob without
+grad; one optimizer step takes the configured preference loss (:data:`yatt.algos.preference.PREFERENCE_LOSSES`)
+summed over the step's pairs on every DP rank and divided by their number. A row without both
+responses, or too long for ``rollout.max_model_len``, is skipped and counted (``dpo_rows_skipped``).
+Each eval also scores the held-out pairs: ``eval_pair_accuracy`` (the implicit reward of the
+chosen response above the rejected one's), ``eval_reward_margin`` and ``eval_dpo_loss``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from yatt.algos.preference import PREFERENCE_LOSSES, PairTerms, sequence_logprobs
+from yatt.config import DpoConfig
+from yatt.controller.batch import Sample, pack_micro_batches
+
+
+def pair_samples(rows, cfg: DpoConfig, tokenizer, max_len: int) -> tuple[list[Sample], int]:
+    """Two Samples per usable row, chosen then rejected; returns (samples, rows skipped: a missing,
+    non-string or empty response, or a sequence longer than ``max_len`` tokens)."""
+    samples, skipped = [], 0
+    for row in rows:
+        texts = [row.entry.get(cfg.chosen_key), row.entry.get(cfg.rejected_key)]
+        if not all(isinstance(t, str) and t.strip() for t in texts):
+            skipped += 1
+            continue
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+        if len(row.prompt_ids) + max(map(len, ids)) > max_len:
+            skipped += 1
+            continue
+        samples += [Sample(list(row.prompt_ids), r, [0.0] * len(r), "stop") for r in ids]
+    return samples, skipped
+
+
+def pair_micro_batches(samples: list[Sample], token_budget: int, pad_id: int, packing: str) -> list[dict]:
+    """Micro-batches of whole pairs (``samples[2k]``, ``samples[2k + 1]``), filled in order up to
+    ``token_budget`` tokens each (a pair over the budget gets its own); rows chosen, rejected, ..."""
+    groups, current, tokens = [], [], 0
+    for k in range(0, len(samples), 2):
+        size = samples[k].length + samples[k + 1].length
+        if current and tokens + size > token_budget:
+            groups.append(current)
+            current, tokens = [], 0
+        current += [k, k + 1]
+        tokens += size
+    if current:
+        groups.append(current)
+    return pack_micro_batches(samples, groups, pad_id, packing)
+
+
+def _pair_terms(seq: torch.Tensor, ref: torch.Tensor, cfg: DpoConfig) -> PairTerms:
+    return PREFERENCE_LOSSES[cfg.loss_type](seq[0::2], seq[1::2], ref[0::2], ref[1::2], cfg.beta, cfg.label_smoothing)
+
+
+def _ref_logprobs(ref, micro_batches: list[dict]) -> None:
+    """Each micro-batch's ``ref_seq`` float ``[B]``: the reference's sequence logprobs."""
+    for mb, (logprobs, _) in zip(micro_batches, ref.compute_logprobs(micro_batches)):
+        mb["ref_seq"] = sequence_logprobs(logprobs.float(), mb["response_mask"].to(logprobs.device)).cpu()
+
+
+def _pairs_total(micro_batches: list[dict], dp_group) -> float:
+    count = torch.tensor([sum(mb["input_ids"].shape[0] // 2 for mb in micro_batches)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(count, group=dp_group)
+    return float(count)
+
+
+def dpo_update(actor, ref, micro_batches: list[dict], cfg: DpoConfig, dp_group=None) -> dict[str, tuple[float, float]]:
+    """One optimizer step on the mean preference loss of the step's pairs over ``dp_group`` (a rank
+    with no micro-batch still takes part). Returns (sum, count) pairs: ``dpo_loss``,
+    ``pair_accuracy`` and ``reward_margin`` (implicit rewards, before the step) per pair,
+    ``grad_norm`` and ``lr``."""
+    _ref_logprobs(ref, micro_batches)
+    pairs = max(_pairs_total(micro_batches, dp_group), 1.0)
+
+    def loss_fn(logprobs, entropy, mb):
+        terms = _pair_terms(sequence_logprobs(logprobs, mb["response_mask"]), mb["ref_seq"], cfg)
+        return terms.loss.sum() / pairs, {**terms.stats(), "pairs": torch.tensor(float(terms.loss.numel()))}
+
+    out = actor.train_step(micro_batches, loss_fn)
+    n = out.get("pairs", 0.0)
+    return {"dpo_loss": (out.get("pair_loss", 0.0), n), "pair_accuracy": (out.get("pair_accuracy", 0.0), n),
+            "reward_margin": (out.get("reward_margin", 0.0), n), "grad_norm": (out["grad_norm"], 1.0),
+            "lr": (out["lr"], 1.0)}
+
+
+def dpo_eval(actor, ref, micro_batches: list[dict], cfg: DpoConfig) -> dict[str, tuple[float, float]]:
+    """The held-out pairs' (sum, count) of ``eval_dpo_loss``, ``eval_pair_accuracy`` and
+    ``eval_reward_margin`` under the current policy (no grad; collective over the model replica)."""
+    _ref_logprobs(ref, micro_batches)
+    sums = {"eval_dpo_loss": 0.0, "eval_pair_accuracy": 0.0, "eval_reward_margin": 0.0}
+    n = 0.0
+    for mb, (logprobs, _) in zip(micro_batches, actor.compute_logprobs(micro_batches)):
+        terms = _pair_terms(sequence_logprobs(logprobs.float().cpu(), mb["response_mask"]), mb["ref_seq"], cfg)
+        for k, v in terms.stats().items():
+            sums["eval_" + {"pair_loss": "dpo_loss"}.get(k, k)] += float(v)
+        n += terms.loss.numel()
+    return {k: (v, n) for k, v in sums.items()}
