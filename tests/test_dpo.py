@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from yatt.assets.model import SMOLLM2, resolve_model
-from yatt.config import ConfigError, DpoConfig, load_config
+from yatt.config import ConfigError, DataConfig, load_config
 from yatt.stages.dpo import pair_micro_batches, pair_samples
 from yatt.stages.pairs import make_pairs
 
@@ -24,10 +24,10 @@ def _row(**fields):
 def test_pairs_are_chosen_then_rejected_and_bad_rows_counted(tok):
     rows = [_row(chosen="<answer>7</answer>", rejected="<answer>8</answer>"), _row(chosen="7"),
             _row(chosen="7", rejected=""), _row(chosen="7", rejected=8), _row(chosen="7", rejected="x " * 100)]
-    samples, skipped = pair_samples(rows, DpoConfig(), tok, max_len=64)
+    samples, skipped = pair_samples(rows, DataConfig(), tok, max_len=64)
     assert skipped == 4 and len(samples) == 2
     assert [tok.decode(s.response_ids) for s in samples] == [f"<answer>{a}</answer>{tok.eos_token}" for a in (7, 8)]
-    more, _ = pair_samples(rows[:1] * 5, DpoConfig(), tok, max_len=64)
+    more, _ = pair_samples(rows[:1] * 5, DataConfig(), tok, max_len=64)
     micro = pair_micro_batches(more, token_budget=2 * (more[0].length + more[1].length), pad_id=0, packing="padded")
     assert [mb["index"].tolist() for mb in micro] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # whole pairs, in order
 

@@ -54,6 +54,8 @@ class DataConfig(_Section):
     system_prompt: str = Field("", description="system message before each prompt (empty: the chat template's default)")
     max_prompt_len: int = Field(256, gt=0,
         description="most prompt tokens after the chat template (longer rows are skipped)")
+    chosen_key: str = Field("chosen", description="stage: dpo and rm: the row field of the preferred response")
+    rejected_key: str = Field("rejected", description="stage: dpo and rm: the row field of the dispreferred response")
 
 
 class RolloutConfig(_Section):
@@ -420,8 +422,6 @@ class DpoConfig(_Section):
     loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid",
         description="sigmoid: DPO (Rafailov et al. 2023); ipo: IPO (Azar et al. 2023)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="sigmoid only: the chance a preference label is flipped")
-    chosen_key: str = Field("chosen", description="the row field of the preferred response")
-    rejected_key: str = Field("rejected", description="the row field of the dispreferred response")
 
 
 class LogConfig(_Section):
@@ -445,10 +445,11 @@ class Config(_Section):
         description="auto: from the newest complete checkpoint if any; none: fresh; or a checkpoint path")
     threads_per_rank: int | None = Field(None, gt=0,
         description="torch/OpenMP threads per rank (default: cores / local ranks)")
-    stage: Literal["rl", "sft", "dpo"] = Field("rl",
+    stage: Literal["rl", "sft", "dpo", "rm"] = Field("rl",
         description="rl: sample, score and update (algo); sft: supervised fine-tuning on each row's target "
                     "response (sft); dpo: preference optimisation on each row's chosen and rejected response "
-                    "against the frozen model.path (dpo); the same data shards, checkpoints, evals and export")
+                    "against the frozen model.path (dpo); rm: a Bradley-Terry reward model (the critic's value "
+                    "head on model.path) on the same rows; the same data shards, checkpoints, evals and export")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy")
     data: DataConfig = Field(default_factory=DataConfig, description="prompts")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling with vLLM")

@@ -130,7 +130,8 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                                  "kl_ctrl": kl_ctrl},
                           meta={"world": info.world_size, "tp": t.tp, "pp": t.pp, "dtype": cfg.model.dtype,
                                 "model_path": str(model_path), "config": cfg.model_dump(),
-                                **({"critic_model_path": str(critic_path)} if cfg.critic.enabled else {})},
+                                **({"critic_model_path": str(critic_path)}
+                                   if cfg.critic.enabled or cfg.stage == "rm" else {})},
                           critic=critic)
     return Job(cfg, info, phase, tokenizer, scorer, placement, train_rows, eval_rows, eval_total, shard, actor, ref,
                critic, balancer, guard, critic_guard, estimator, sampler, kl_ctrl, mp_group, dp_group, ckpt)
@@ -153,6 +154,8 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
            if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo" else None)
     critic = None
+    if cfg.stage == "rm":  # the reward model is the critic's model, trained with the trainer's settings
+        critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, recompute=recompute)
     if c.enabled:
         critic_optim = OptimConfig(lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=t.adam_beta1,
                                    adam_beta2=t.adam_beta2, clip_grad=c.clip_grad, warmup_steps=c.warmup_steps,

@@ -10,7 +10,8 @@ stage of the estimator finishes the advantages, the actor and then the critic up
 weights go into the rollout engines; the step's metrics are reduced and written; a save point
 may checkpoint it. :meth:`yatt.job.Job.close` is the one teardown. With ``stage: sft`` a step
 trains on its rows' target responses instead of sampling and scoring (:mod:`yatt.stages.sft`),
-with ``stage: dpo`` on their chosen and rejected responses (:mod:`yatt.stages.dpo`); the sync,
+with ``stage: dpo`` on their chosen and rejected responses (:mod:`yatt.stages.dpo`), with
+``stage: rm`` the critic learns a reward model from them (:mod:`yatt.stages.rm`); the sync,
 evals, metrics and save points are the same.
 """
 from __future__ import annotations
@@ -42,13 +43,14 @@ from yatt.dist import RankInfo
 from yatt.job import Job, build_job
 from yatt.reward.scorer import COUNTER_SUFFIXES
 from yatt.stages.dpo import dpo_eval, dpo_update, pair_micro_batches, pair_samples
+from yatt.stages.rm import rm_eval, rm_samples, rm_update
 from yatt.stages.sft import sft_samples, sft_update
 
 log = logging.getLogger("yatt")
 # summed over ranks, not averaged
 _COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
              "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped",
-             "sft_rows_skipped", "dpo_rows_skipped")
+             "sft_rows_skipped", "dpo_rows_skipped", "rm_rows_skipped")
 _MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures")  # max over ranks
 
 
@@ -128,7 +130,7 @@ def _step(job: Job, step: int) -> dict:
     over the ranks)."""
     timer = PhaseTimer(on_enter=lambda name: job.phase(name, step), released_bytes=job.placement.released_bytes)
     t0, sums = time.perf_counter(), {}
-    {"rl": _rl_phases, "sft": _sft_phases, "dpo": _dpo_phases}[job.cfg.stage](job, step, timer, sums)
+    {"rl": _rl_phases, "sft": _sft_phases, "dpo": _dpo_phases, "rm": _rm_phases}[job.cfg.stage](job, step, timer, sums)
     sums["data_rows_skipped"] = (float(sum(job.train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
     sums["checkpoint_failures"] = (float(job.ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
     timer.merge(job.placement.sync(job.actor, timer.on_enter))
@@ -189,12 +191,25 @@ def _dpo_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
         sums.update(dpo_update(job.actor, job.ref, micro_batches, job.cfg.dpo, job.dp_group))
 
 
+def _rm_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
+    """A reward-model step (:mod:`yatt.stages.rm`): this rank's rows as (chosen, rejected) pairs in
+    the reward model's layout, micro-batches of whole pairs, one Bradley-Terry step of the critic."""
+    job.phase("train", step)
+    micro_batches, sums_rows = _pair_batches(job, job.shard.next_batch())
+    sums.update(sums_rows)
+    with timer("train"):
+        sums.update(rm_update(job.critic, micro_batches, job.dp_group))
+
+
 def _pair_batches(job: Job, rows) -> tuple[list[dict], dict[str, tuple[float, float]]]:
-    """Micro-batches of whole (chosen, rejected) pairs of ``rows``, shared over the model replica,
+    """Micro-batches of whole (chosen, rejected) pairs of ``rows`` as the stage lays them out
+    (DPO: prompt + response; RM: the reward model's chat layout), shared over the model replica,
     and this rank's row metrics."""
     cfg, t = job.cfg, job.cfg.trainer
-    samples, skipped = pair_samples(rows, cfg.dpo, job.tokenizer, cfg.rollout.max_model_len)
-    sums = {"dpo_rows_skipped": (float(skipped), 1.0), "tokens_total": (float(sum(s.length for s in samples)), 1.0),
+    make = rm_samples if cfg.stage == "rm" else pair_samples
+    samples, skipped = make(rows, cfg.data, job.tokenizer, cfg.rollout.max_model_len)
+    sums = {f"{cfg.stage}_rows_skipped": (float(skipped), 1.0),
+            "tokens_total": (float(sum(s.length for s in samples)), 1.0),
             "response_len_mean": (float(sum(len(s.response_ids) for s in samples)), float(len(samples)))}
     if t.tp * t.pp > 1:  # the ranks of one model replica train on the same data
         samples = _gather(samples, job.mp_group, t.tp * t.pp)
@@ -278,20 +293,22 @@ def _evaluate(job: Job, step: int) -> list[dict]:
     if not job.eval_total:
         return []
     job.phase("eval", step)
-    with job.placement.eval_engine(job.actor) as engine:
-        record = {"step": step, **evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer,
-                                           job.cfg.eval.max_tokens)}
-    if job.cfg.stage == "dpo":  # the held-out pairs' preference accuracy
-        record.update(global_means(_dpo_eval_sums(job)))
+    record = {"step": step}
+    if job.cfg.stage != "rm":  # the policy's greedy answers (stage rm does not train the policy)
+        with job.placement.eval_engine(job.actor) as engine:
+            record.update(evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer,
+                                   job.cfg.eval.max_tokens))
+    if job.cfg.stage in ("dpo", "rm"):  # the held-out pairs' preference accuracy
+        batches = _pair_batches(job, job.eval_rows)[0]
+        record.update(global_means(dpo_eval(job.actor, job.ref, batches, job.cfg.dpo) if job.cfg.stage == "dpo"
+                                   else rm_eval(job.critic, batches)))
     job.writer.write(record)
-    pairs = (f" pair accuracy {record['eval_pair_accuracy']:.3f} margin {record['eval_reward_margin']:.3f}"
-             if "eval_pair_accuracy" in record else "")
-    log.info("eval step %d: accuracy %.3f reward %.3f%s", step, record["eval_accuracy"], record["eval_reward_mean"], pairs)
+    parts = ([f"accuracy {record['eval_accuracy']:.3f} reward {record['eval_reward_mean']:.3f}"]
+             if "eval_accuracy" in record else [])
+    if "eval_pair_accuracy" in record:
+        parts.append(f"pair accuracy {record['eval_pair_accuracy']:.3f} margin {record['eval_reward_margin']:.3f}")
+    log.info("eval step %d: %s", step, " ".join(parts))
     return [record]
-
-
-def _dpo_eval_sums(job: Job) -> dict[str, tuple[float, float]]:
-    return dpo_eval(job.actor, job.ref, _pair_batches(job, job.eval_rows)[0], job.cfg.dpo)
 
 
 def _stop_if_signalled(ckpt: RunCheckpoints, start: int) -> None:

@@ -21,6 +21,19 @@ from collections.abc import Sequence
 from yatt.reward.genrm import JudgeItem, JudgeResult
 
 
+def chat_ids(tokenizer, question: str, response: str, max_length: int) -> list[int]:
+    """The token ids a reward model scores (its last token's logit): the chat (user: ``question``,
+    assistant: ``response``) through the tokenizer's template, or ``question\\n\\nresponse``
+    without one; the last ``max_length`` ids. ``stage: rm`` trains on the same layout."""
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question},
+                                             {"role": "assistant", "content": response}],
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer(f"{question}\n\n{response}")["input_ids"]
+    return list(ids)[-max_length:]
+
+
 class RewardModelScorer:
     """Scores responses with a one-label sequence-classification model on a vLLM pooling engine.
 
@@ -48,14 +61,7 @@ class RewardModelScorer:
         self.seed = 0  # the placement sets it per step, as for a GenRM judge; scoring draws nothing
 
     def _ids(self, item: JudgeItem) -> list[int]:
-        tok = self.tokenizer
-        if tok.chat_template:
-            ids = tok.apply_chat_template([{"role": "user", "content": item.question},
-                                           {"role": "assistant", "content": item.response}],
-                                          tokenize=True, return_dict=False)
-        else:
-            ids = tok(f"{item.question}\n\n{item.response}")["input_ids"]
-        return list(ids)[-self.max_length:]
+        return chat_ids(self.tokenizer, item.question, item.response, self.max_length)
 
     def score(self, items: Sequence[JudgeItem]) -> list[JudgeResult]:
         """One :class:`~yatt.reward.genrm.JudgeResult` per item; ``score`` is the reward logit."""

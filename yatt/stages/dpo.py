@@ -1,7 +1,7 @@
 """Direct preference optimisation (``stage: dpo``): the policy against its frozen start.
 
 A step draws ``trainer.prompts_per_rank`` rows per rank, each a prompt with a chosen and a rejected
-response (``dpo.chosen_key``, ``dpo.rejected_key``; :mod:`yatt.stages.pairs` makes them from a
+response (``data.chosen_key``, ``data.rejected_key``; :mod:`yatt.stages.pairs` makes them from a
 policy's own samples), and makes two samples per row, chosen then rejected, each response followed
 by EOS. Micro-batches hold whole pairs (no DP balancing: a pair's loss needs both of its
 sequences), packed as RL's (``trainer.packing``; with ``shared_prompt`` a pair's prompt runs
@@ -22,13 +22,21 @@ from yatt.config import DpoConfig
 from yatt.controller.batch import Sample, pack_micro_batches
 
 
-def pair_samples(rows, cfg: DpoConfig, tokenizer, max_len: int) -> tuple[list[Sample], int]:
-    """Two Samples per usable row, chosen then rejected; returns (samples, rows skipped: a missing,
-    non-string or empty response, or a sequence longer than ``max_len`` tokens)."""
+def pair_texts(row, data) -> list[str] | None:
+    """``[chosen, rejected]`` of a row (fields ``data.chosen_key``, ``data.rejected_key``), or None
+    when either is missing, not a string or empty."""
+    texts = [row.entry.get(data.chosen_key), row.entry.get(data.rejected_key)]
+    return texts if all(isinstance(t, str) and t.strip() for t in texts) else None
+
+
+def pair_samples(rows, data, tokenizer, max_len: int) -> tuple[list[Sample], int]:
+    """Two Samples per usable row of ``data`` (:class:`~yatt.config.DataConfig`), chosen then
+    rejected; returns (samples, rows skipped: no pair (:func:`pair_texts`), or a sequence longer
+    than ``max_len`` tokens)."""
     samples, skipped = [], 0
     for row in rows:
-        texts = [row.entry.get(cfg.chosen_key), row.entry.get(cfg.rejected_key)]
-        if not all(isinstance(t, str) and t.strip() for t in texts):
+        texts = pair_texts(row, data)
+        if texts is None:
             skipped += 1
             continue
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
@@ -65,7 +73,8 @@ def _ref_logprobs(ref, micro_batches: list[dict]) -> None:
         mb["ref_seq"] = sequence_logprobs(logprobs.float(), mb["response_mask"].to(logprobs.device)).cpu()
 
 
-def _pairs_total(micro_batches: list[dict], dp_group) -> float:
+def pairs_total(micro_batches: list[dict], dp_group) -> float:
+    """The pairs in ``micro_batches`` (two rows each) summed over ``dp_group`` (one all-reduce)."""
     count = torch.tensor([sum(mb["input_ids"].shape[0] // 2 for mb in micro_batches)], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(count, group=dp_group)
@@ -78,7 +87,7 @@ def dpo_update(actor, ref, micro_batches: list[dict], cfg: DpoConfig, dp_group=N
     ``pair_accuracy`` and ``reward_margin`` (implicit rewards, before the step) per pair,
     ``grad_norm`` and ``lr``."""
     _ref_logprobs(ref, micro_batches)
-    pairs = max(_pairs_total(micro_batches, dp_group), 1.0)
+    pairs = max(pairs_total(micro_batches, dp_group), 1.0)
 
     def loss_fn(logprobs, entropy, mb):
         terms = _pair_terms(sequence_logprobs(logprobs, mb["response_mask"]), mb["ref_seq"], cfg)

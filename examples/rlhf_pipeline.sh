@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The RLHF pipeline on the demo task, stage after stage, each feeding the next by path:
+#   1. SFT of SmolLM2-135M-Instruct            -> runs/sft_smollm2/export
+#   2. preference pairs from the SFT model      -> runs/pairs/{train,eval}.jsonl
+#   3. a Bradley-Terry reward model on them     -> runs/rm_smollm2/export (a reward_model source)
+#   4. DPO of the SFT model on them             -> runs/dpo_smollm2
+#   5. GRPO of the SFT model with the trained reward model, alone and mixed with the task's rule
+#
+#   examples/rlhf_pipeline.sh            # the recipes' settings (about 35 min on our 2-core machine)
+#   QUICK=1 examples/rlhf_pipeline.sh    # a few steps per stage, to check the chain (about 8 min)
+#
+# Run from the repository root after `make setup`. NP sets the ranks (default 2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NP="${NP:-2}"
+PY=.venv/bin/python
+RUN=(.venv/bin/mpirun -np "$NP" "$PY" -m yatt.launch)
+if [[ "${QUICK:-0}" == 1 ]]; then
+  SFT=(trainer.total_steps=4 data.eval_size=24) PAIRS=(data.train_size=48 data.eval_size=48)
+  RM=(trainer.total_steps=3) DPO=(trainer.total_steps=3) RL=(trainer.total_steps=2 data.eval_size=24)
+else
+  SFT=() PAIRS=(data.train_size=240) RM=() DPO=() RL=(trainer.total_steps=10)
+fi
+COMMON=(overwrite=true log.progress=false)
+
+"${RUN[@]}" --config configs/sft_smollm2.yaml "${COMMON[@]}" "${SFT[@]}"
+"$PY" -m yatt.export runs/sft_smollm2/checkpoints runs/sft_smollm2/export --overwrite
+
+"$PY" -m yatt.stages.pairs --config configs/sft_smollm2.yaml --model runs/sft_smollm2/export --out runs/pairs \
+  --max-tokens 48 "${PAIRS[@]}"
+
+"${RUN[@]}" --config configs/rm_smollm2.yaml "${COMMON[@]}" "${RM[@]}"
+"$PY" -m yatt.export runs/rm_smollm2/checkpoints runs/rm_smollm2/export --role critic --overwrite
+
+"${RUN[@]}" --config configs/dpo_smollm2.yaml "${COMMON[@]}" "${DPO[@]}"
+
+RM_SOURCE="{name: rm, type: reward_model, model: runs/rm_smollm2/export}"
+"${RUN[@]}" --config configs/grpo_smollm2.yaml "${COMMON[@]}" "${RL[@]}" model.path=runs/sft_smollm2/export \
+  output_dir=runs/grpo_rm "reward.sources=[$RM_SOURCE]"
+"${RUN[@]}" --config configs/grpo_smollm2.yaml "${COMMON[@]}" "${RL[@]}" model.path=runs/sft_smollm2/export \
+  output_dir=runs/grpo_rm_rule "reward.sources=[{name: rule, type: rule, weight: 1.0}, ${RM_SOURCE%\}}, weight: 0.5}]" \
+  reward.accuracy=rule
+echo "rlhf_pipeline: done (runs/sft_smollm2, runs/pairs, runs/rm_smollm2, runs/dpo_smollm2, runs/grpo_rm, runs/grpo_rm_rule)"

@@ -1,0 +1,73 @@
+"""stage: rm (yatt/stages/rm.py): samples in the reward model's layout, and a whole job whose
+exported reward model, served by the reward_model source's vLLM engine, scores the held-out pairs
+as the trainer did."""
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import ROOT
+from yatt.assets.model import SMOLLM2, resolve_model
+from yatt.config import ConfigError, DataConfig, load_config
+from yatt.reward.reward_model import chat_ids
+from yatt.stages.rm import rm_samples
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(resolve_model(SMOLLM2))
+
+
+def test_samples_are_the_scored_layout_plus_the_read_position(tok):
+    rows = [SimpleNamespace(question="What is 3 + 4?", answer="7", entry={"chosen": "7", "rejected": "8"}),
+            SimpleNamespace(question="q", answer="7", entry={"chosen": "7"}),
+            SimpleNamespace(question="q", answer="7", entry={"chosen": "7", "rejected": "x " * 300})]
+    samples, skipped = rm_samples(rows, DataConfig(), tok, max_len=256)
+    assert skipped == 2 and len(samples) == 2  # no rejected; too long
+    for s, text in zip(samples, ("7", "8")):  # the value at the extra EOS reads the layout's last token
+        assert s.prompt_ids == chat_ids(tok, "What is 3 + 4?", text, 256) and s.response_ids == [tok.eos_token_id]
+
+
+def test_rm_config_checks():
+    with pytest.raises(ConfigError, match="stage: rm trains the policy alone"):
+        load_config("configs/rm_smollm2.yaml", ["critic.enabled=true"])
+
+
+@pytest.mark.slow
+def test_rm_job_exports_a_reward_model_that_scores_as_trained(mpirun, tmp_path, tiny_policy):
+    """Two Bradley-Terry steps of a reward model on the tiny random policy's body (a high LR so the
+    zero-initialised head moves), exported with --role critic: the reward_model source's vLLM
+    pooling engine gives the held-out pairs the margin and accuracy of the trainer's last eval."""
+    good = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
+             "answer": str(i + 1)} for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in good + [{"prompt": "x", "answer": "1"}]) + "\n")
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in good[:6]) + "\n")
+    out = tmp_path / "run"
+    mpirun(["-m", "yatt.launch", "--config", "configs/rm_smollm2.yaml", f"model.path={tiny_policy}",
+            f"data.train_files=[{tmp_path / 'train.jsonl'}]", f"data.eval_files=[{tmp_path / 'eval.jsonl'}]",
+            "trainer.total_steps=2", "trainer.prompts_per_rank=3", "trainer.lr=1e-2", "trainer.min_lr=1e-2",
+            "eval.max_tokens=4", "log.progress=false", f"output_dir={out}"], 2, timeout=600)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "rm_loss" in r]
+    evals = [r for r in records if "eval_pair_accuracy" in r]
+    assert [r["step"] for r in train] == [1, 2] and train[0]["rm_loss"] == pytest.approx(math.log(2))
+    assert evals[0]["eval_reward_margin"] == 0.0 and evals[-1]["eval_reward_margin"] != 0.0  # the head moved
+    assert sum(r["rm_rows_skipped"] for r in train) >= 1
+    subprocess.run([sys.executable, "-m", "yatt.export", str(out / "checkpoints"), str(tmp_path / "rm"), "--role",
+                    "critic"], cwd=ROOT, check=True, capture_output=True)
+    script = (f"import json; from yatt.reward.genrm import JudgeItem; from yatt.reward.reward_model import RewardModelScorer\n"
+              f"rows = [json.loads(l) for l in open({str(tmp_path / 'eval.jsonl')!r})]\n"
+              f"rm = RewardModelScorer({str(tmp_path / 'rm')!r}, max_length=256)\n"
+              f"c = [r.score for r in rm.score([JudgeItem(x['prompt'], x['chosen'], '') for x in rows])]\n"
+              f"r = [r.score for r in rm.score([JudgeItem(x['prompt'], x['rejected'], '') for x in rows])]\n"
+              f"print(json.dumps([sum(a - b for a, b in zip(c, r)) / len(rows), sum(a > b for a, b in zip(c, r)) / len(rows)]))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    margin, accuracy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert margin == pytest.approx(evals[-1]["eval_reward_margin"], rel=1e-3, abs=1e-5)
+    assert accuracy == pytest.approx(evals[-1]["eval_pair_accuracy"])
