@@ -91,11 +91,22 @@ def dpo_update(actor, ref, micro_batches: list[dict], cfg: DpoConfig, dp_group=N
 
     def loss_fn(logprobs, entropy, mb):
         terms = _pair_terms(sequence_logprobs(logprobs, mb["response_mask"]), mb["ref_seq"], cfg)
-        return terms.loss.sum() / pairs, {**terms.stats(), "pairs": torch.tensor(float(terms.loss.numel()))}
+        return pair_loss(terms, pairs)
 
-    out = actor.train_step(micro_batches, loss_fn)
+    return pair_step_sums(actor.train_step(micro_batches, loss_fn), "dpo_loss")
+
+
+def pair_loss(terms: PairTerms, pairs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A pairwise ``loss_fn``'s result: the loss summed over this micro-batch's pairs over the step's
+    ``pairs``, and the sums :func:`pair_step_sums` reads."""
+    return terms.loss.sum() / pairs, {**terms.stats(), "pairs": torch.tensor(float(terms.loss.numel()))}
+
+
+def pair_step_sums(out: dict, loss_name: str) -> dict[str, tuple[float, float]]:
+    """A pairwise optimizer step's ``train_step`` output as (sum, count) metrics per pair
+    (``loss_name``, ``pair_accuracy``, ``reward_margin``), with ``grad_norm`` and ``lr``."""
     n = out.get("pairs", 0.0)
-    return {"dpo_loss": (out.get("pair_loss", 0.0), n), "pair_accuracy": (out.get("pair_accuracy", 0.0), n),
+    return {loss_name: (out.get("pair_loss", 0.0), n), "pair_accuracy": (out.get("pair_accuracy", 0.0), n),
             "reward_margin": (out.get("reward_margin", 0.0), n), "grad_norm": (out["grad_norm"], 1.0),
             "lr": (out["lr"], 1.0)}
 

@@ -22,7 +22,7 @@ import torch
 from yatt.algos.preference import bradley_terry_loss
 from yatt.controller.batch import Sample
 from yatt.reward.reward_model import chat_ids
-from yatt.stages.dpo import pair_texts, pairs_total
+from yatt.stages.dpo import pair_loss, pair_step_sums, pair_texts, pairs_total
 
 
 def rm_samples(rows, data, tokenizer, max_len: int) -> tuple[list[Sample], int]:
@@ -53,13 +53,9 @@ def rm_update(critic, micro_batches: list[dict], dp_group=None) -> dict[str, tup
     def loss_fn(values, mb):
         r = _rewards(values, mb["response_mask"])
         terms = bradley_terry_loss(r[0::2], r[1::2])
-        return terms.loss.sum() / pairs, {**terms.stats(), "pairs": torch.tensor(float(terms.loss.numel()))}
+        return pair_loss(terms, pairs)
 
-    out = critic.train_step(micro_batches, loss_fn)
-    n = out.get("pairs", 0.0)
-    return {"rm_loss": (out.get("pair_loss", 0.0), n), "pair_accuracy": (out.get("pair_accuracy", 0.0), n),
-            "reward_margin": (out.get("reward_margin", 0.0), n), "grad_norm": (out["grad_norm"], 1.0),
-            "lr": (out["lr"], 1.0)}
+    return pair_step_sums(critic.train_step(micro_batches, loss_fn), "rm_loss")
 
 
 def rm_eval(critic, micro_batches: list[dict]) -> dict[str, tuple[float, float]]:
