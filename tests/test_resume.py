@@ -126,3 +126,26 @@ def test_a_killed_sft_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
     assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert "resumed from" in (tmp_path / "run.log").read_text()
     assert _records(run) == _records(ref)
+
+
+def test_a_killed_rm_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
+    """``stage: rm`` (the critic trained as a reward model on a pairs file): SIGKILLed once step 2's
+    checkpoint is committed, ``resume=auto`` gives the uninterrupted run's metrics at every step,
+    the held-out pair evals included (the critic's weights, Adam moments, LR schedule, data position)."""
+    pairs = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
+              "answer": str(i + 1)} for i in range(8)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    args = (f"model.path={tiny_policy}", "stage=rm", "data.source=file", f"data.train_files=[{tmp_path / 'pairs.jsonl'}]",
+            f"data.eval_files=[{tmp_path / 'pairs.jsonl'}]", "data.question_key=prompt", "data.answer_key=answer",
+            "trainer.prompts_per_rank=2", "trainer.lr=1e-3")
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    rm = [r for r in _records(ref) if "rm_loss" in r]
+    assert [r["step"] for r in rm] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in rm)
+    assert len({r["reward_margin"] for r in rm}) == 4  # the head moves every step
+    proc = launch_job(run, *args)
+    assert wait_job(proc, until=lambda: (run / "checkpoints" / "step_000002").is_dir()) is None
+    kill_job(proc)
+    assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert "resumed from" in (tmp_path / "run.log").read_text()
+    assert _records(run) == _records(ref)
