@@ -115,17 +115,11 @@ def test_a_killed_sft_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
     is committed resumes (``resume=auto``) to the uninterrupted run's metrics at every step, the
     evals included (the weights, Adam moments, LR schedule and data position all restored)."""
     args = (f"model.path={tiny_policy}", "stage=sft")
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
-    sft = [r for r in _records(ref) if "sft_loss" in r]
+    reference = _reference_run(tmp_path, args)
+    sft = [r for r in reference if "sft_loss" in r]
     assert [r["step"] for r in sft] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in sft)
     assert sft[-1]["sft_loss"] < sft[0]["sft_loss"]  # it learns the targets
-    proc = launch_job(run, *args)
-    assert wait_job(proc, until=lambda: (run / "checkpoints" / "step_000002").is_dir()) is None
-    kill_job(proc)
-    assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
-    assert "resumed from" in (tmp_path / "run.log").read_text()
-    assert _records(run) == _records(ref)
+    _kill_after_step_2_and_resume_to(tmp_path, args, reference)
 
 
 def test_a_killed_rm_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
@@ -138,14 +132,26 @@ def test_a_killed_rm_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
     args = (f"model.path={tiny_policy}", "stage=rm", "data.source=file", f"data.train_files=[{tmp_path / 'pairs.jsonl'}]",
             f"data.eval_files=[{tmp_path / 'pairs.jsonl'}]", "data.question_key=prompt", "data.answer_key=answer",
             "trainer.prompts_per_rank=2", "trainer.lr=1e-3")
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
-    rm = [r for r in _records(ref) if "rm_loss" in r]
+    reference = _reference_run(tmp_path, args)
+    rm = [r for r in reference if "rm_loss" in r]
     assert [r["step"] for r in rm] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in rm)
     assert len({r["reward_margin"] for r in rm}) == 4  # the head moves every step
+    _kill_after_step_2_and_resume_to(tmp_path, args, reference)
+
+
+def _reference_run(tmp_path: Path, args: tuple[str, ...]) -> list[dict]:
+    """The metrics of an uninterrupted run of the demo recipe with ``args`` (into ``tmp_path/ref``)."""
+    assert wait_job(launch_job(tmp_path / "ref", *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    return _records(tmp_path / "ref")
+
+
+def _kill_after_step_2_and_resume_to(tmp_path: Path, args: tuple[str, ...], reference: list[dict]) -> None:
+    """A run with ``args`` SIGKILLed (every process) once step 2's checkpoint is committed, then
+    ``resume=auto`` to the end: its metrics must be ``reference``'s at every step."""
+    run = tmp_path / "run"
     proc = launch_job(run, *args)
     assert wait_job(proc, until=lambda: (run / "checkpoints" / "step_000002").is_dir()) is None
     kill_job(proc)
     assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert "resumed from" in (tmp_path / "run.log").read_text()
-    assert _records(run) == _records(ref)
+    assert _records(run) == reference

@@ -130,7 +130,7 @@ def _step(job: Job, step: int) -> dict:
     over the ranks)."""
     timer = PhaseTimer(on_enter=lambda name: job.phase(name, step), released_bytes=job.placement.released_bytes)
     t0, sums = time.perf_counter(), {}
-    {"rl": _rl_phases, "sft": _sft_phases, "dpo": _dpo_phases, "rm": _rm_phases}[job.cfg.stage](job, step, timer, sums)
+    {"rl": _rl_phases, "sft": _sft_phases, "dpo": _pair_phases, "rm": _pair_phases}[job.cfg.stage](job, step, timer, sums)
     sums["data_rows_skipped"] = (float(sum(job.train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
     sums["checkpoint_failures"] = (float(job.ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
     timer.merge(job.placement.sync(job.actor, timer.on_enter))
@@ -167,13 +167,11 @@ def _rl_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
 def _sft_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
     """A supervised fine-tuning step (:mod:`yatt.stages.sft`): this rank's rows with their target
     responses, shared over the model replica and balanced over the DP ranks, one optimizer step."""
-    cfg, t = job.cfg, job.cfg.trainer
+    cfg = job.cfg
     job.phase("train", step)
-    samples, skipped = sft_samples(job.shard.next_batch(), cfg.sft, job.tokenizer, cfg.rollout.max_model_len)
-    sums.update(sft_rows_skipped=(float(skipped), 1.0), tokens_total=(float(sum(s.length for s in samples)), 1.0),
-                response_len_mean=(float(sum(len(s.response_ids) for s in samples)), float(len(samples))))
-    if t.tp * t.pp > 1:  # the ranks of one model replica train on the same data
-        samples = _gather(samples, job.mp_group, t.tp * t.pp)
+    samples, rows = _stage_samples(job, *sft_samples(job.shard.next_batch(), cfg.sft, job.tokenizer,
+                                                     cfg.rollout.max_model_len))
+    sums.update(rows)
     with timer("balance"):
         minis, _ = _mini_batches(samples, None, job.balancer, cfg, job.tokenizer.pad_token_id, sums, mini_batches=1)
     if minis:
@@ -181,24 +179,16 @@ def _sft_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
             sums.update(sft_update(job.actor, minis[0], job.dp_group))
 
 
-def _dpo_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
-    """A DPO step (:mod:`yatt.stages.dpo`): this rank's rows as (chosen, rejected) pairs, shared
-    over the model replica, in micro-batches of whole pairs, the reference's logprobs, one step."""
+def _pair_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
+    """A DPO step (:mod:`yatt.stages.dpo`: the policy against the reference) or a reward-model step
+    (:mod:`yatt.stages.rm`: one Bradley-Terry step of the critic): this rank's rows as (chosen,
+    rejected) pairs in the stage's layout, shared over the model replica, micro-batches of whole pairs."""
     job.phase("train", step)
-    micro_batches, sums_rows = _pair_batches(job, job.shard.next_batch())
-    sums.update(sums_rows)
+    micro_batches, rows = _pair_batches(job, job.shard.next_batch())
+    sums.update(rows)
     with timer("train"):
-        sums.update(dpo_update(job.actor, job.ref, micro_batches, job.cfg.dpo, job.dp_group))
-
-
-def _rm_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
-    """A reward-model step (:mod:`yatt.stages.rm`): this rank's rows as (chosen, rejected) pairs in
-    the reward model's layout, micro-batches of whole pairs, one Bradley-Terry step of the critic."""
-    job.phase("train", step)
-    micro_batches, sums_rows = _pair_batches(job, job.shard.next_batch())
-    sums.update(sums_rows)
-    with timer("train"):
-        sums.update(rm_update(job.critic, micro_batches, job.dp_group))
+        sums.update(dpo_update(job.actor, job.ref, micro_batches, job.cfg.dpo, job.dp_group) if job.cfg.stage == "dpo"
+                    else rm_update(job.critic, micro_batches, job.dp_group))
 
 
 def _pair_batches(job: Job, rows) -> tuple[list[dict], dict[str, tuple[float, float]]]:
@@ -207,13 +197,21 @@ def _pair_batches(job: Job, rows) -> tuple[list[dict], dict[str, tuple[float, fl
     and this rank's row metrics."""
     cfg, t = job.cfg, job.cfg.trainer
     make = rm_samples if cfg.stage == "rm" else pair_samples
-    samples, skipped = make(rows, cfg.data, job.tokenizer, cfg.rollout.max_model_len)
-    sums = {f"{cfg.stage}_rows_skipped": (float(skipped), 1.0),
+    samples, sums = _stage_samples(job, *make(rows, cfg.data, job.tokenizer, cfg.rollout.max_model_len))
+    return pair_micro_batches(samples, t.micro_batch_tokens, job.tokenizer.pad_token_id, t.packing), sums
+
+
+def _stage_samples(job: Job, samples: list, skipped: int) -> tuple[list, dict[str, tuple[float, float]]]:
+    """A stage's samples made from this rank's rows, shared over the model replica (its TP x PP
+    ranks train on the same data), and this rank's row metrics: ``<stage>_rows_skipped``,
+    ``tokens_total``, ``response_len_mean``."""
+    t = job.cfg.trainer
+    sums = {f"{job.cfg.stage}_rows_skipped": (float(skipped), 1.0),
             "tokens_total": (float(sum(s.length for s in samples)), 1.0),
             "response_len_mean": (float(sum(len(s.response_ids) for s in samples)), float(len(samples)))}
-    if t.tp * t.pp > 1:  # the ranks of one model replica train on the same data
+    if t.tp * t.pp > 1:
         samples = _gather(samples, job.mp_group, t.tp * t.pp)
-    return pair_micro_batches(samples, t.micro_batch_tokens, job.tokenizer.pad_token_id, t.packing), sums
+    return samples, sums
 
 
 def _rollout_and_score(job: Job, step: int, timer: PhaseTimer, sums: dict) -> tuple[list, list[list[float]]]:

@@ -115,11 +115,17 @@ def dpo_eval(actor, ref, micro_batches: list[dict], cfg: DpoConfig) -> dict[str,
     """The held-out pairs' (sum, count) of ``eval_dpo_loss``, ``eval_pair_accuracy`` and
     ``eval_reward_margin`` under the current policy (no grad; collective over the model replica)."""
     _ref_logprobs(ref, micro_batches)
-    sums = {"eval_dpo_loss": 0.0, "eval_pair_accuracy": 0.0, "eval_reward_margin": 0.0}
-    n = 0.0
-    for mb, (logprobs, _) in zip(micro_batches, actor.compute_logprobs(micro_batches)):
-        terms = _pair_terms(sequence_logprobs(logprobs.float().cpu(), mb["response_mask"]), mb["ref_seq"], cfg)
-        for k, v in terms.stats().items():
-            sums["eval_" + {"pair_loss": "dpo_loss"}.get(k, k)] += float(v)
-        n += terms.loss.numel()
+    return pair_eval_sums([_pair_terms(sequence_logprobs(logprobs.float().cpu(), mb["response_mask"]), mb["ref_seq"], cfg)
+                           for mb, (logprobs, _) in zip(micro_batches, actor.compute_logprobs(micro_batches))],
+                          "dpo_loss")
+
+
+def pair_eval_sums(terms: list[PairTerms], loss_name: str) -> dict[str, tuple[float, float]]:
+    """Held-out pairs' (sum, count) metrics per pair: ``eval_<loss_name>``, ``eval_pair_accuracy``
+    and ``eval_reward_margin``, over every micro-batch's :class:`PairTerms`."""
+    n = float(sum(t.loss.numel() for t in terms))
+    sums = {f"eval_{loss_name}": 0.0, "eval_pair_accuracy": 0.0, "eval_reward_margin": 0.0}
+    for t in terms:
+        for k, v in t.stats().items():
+            sums["eval_" + {"pair_loss": loss_name}.get(k, k)] += float(v)
     return {k: (v, n) for k, v in sums.items()}

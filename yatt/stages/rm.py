@@ -22,7 +22,7 @@ import torch
 from yatt.algos.preference import bradley_terry_loss
 from yatt.controller.batch import Sample
 from yatt.reward.reward_model import chat_ids
-from yatt.stages.dpo import pair_loss, pair_step_sums, pair_texts, pairs_total
+from yatt.stages.dpo import pair_eval_sums, pair_loss, pair_step_sums, pair_texts, pairs_total
 
 
 def rm_samples(rows, data, tokenizer, max_len: int) -> tuple[list[Sample], int]:
@@ -61,12 +61,6 @@ def rm_update(critic, micro_batches: list[dict], dp_group=None) -> dict[str, tup
 def rm_eval(critic, micro_batches: list[dict]) -> dict[str, tuple[float, float]]:
     """The held-out pairs' (sum, count) of ``eval_rm_loss``, ``eval_pair_accuracy`` and
     ``eval_reward_margin`` (no grad; collective over the model replica)."""
-    sums = {"eval_rm_loss": 0.0, "eval_pair_accuracy": 0.0, "eval_reward_margin": 0.0}
-    n = 0.0
-    for mb, values in zip(micro_batches, critic.compute_values(micro_batches)):
-        r = _rewards(values.float().cpu(), mb["response_mask"])
-        terms = bradley_terry_loss(r[0::2], r[1::2])
-        for k, v in terms.stats().items():
-            sums["eval_" + {"pair_loss": "rm_loss"}.get(k, k)] += float(v)
-        n += terms.loss.numel()
-    return {k: (v, n) for k, v in sums.items()}
+    rewards = [_rewards(values.float().cpu(), mb["response_mask"])
+               for mb, values in zip(micro_batches, critic.compute_values(micro_batches))]
+    return pair_eval_sums([bradley_terry_loss(r[0::2], r[1::2]) for r in rewards], "rm_loss")
