@@ -142,7 +142,8 @@ def test_policy_update_reduces_stats_over_steps_and_first_epoch():
 
 def test_phase_timer_warns_when_the_machine_runs_out_of_memory(monkeypatch, caplog):
     """Under 5% of the machine's memory available, a phase says so once, by name, before the kernel's
-    OOM killer would end the rank silently; with memory to spare it says nothing."""
+    OOM killer would end the rank silently; with memory to spare it says nothing. A later step's phase
+    says it again only when clearly less is left."""
     import threading
 
     import psutil
@@ -159,6 +160,7 @@ def test_phase_timer_warns_when_the_machine_runs_out_of_memory(monkeypatch, capl
             return super().memory_info()
 
     monkeypatch.setattr(metrics.psutil, "Process", Counted)
+    monkeypatch.setattr(metrics, "_low_memory_warned", {})  # this process's earlier warnings
     monkeypatch.setattr(metrics.psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=left[0]))
     timer = PhaseTimer(interval_s=0.001)
     with caplog.at_level("WARNING", logger="yatt"):
@@ -170,6 +172,15 @@ def test_phase_timer_warns_when_the_machine_runs_out_of_memory(monkeypatch, capl
     warnings = [r.getMessage() for r in caplog.records if "memory nearly exhausted" in r.getMessage()]
     assert len(warnings) == 1 and "during phase train" in warnings[0] and "1.0 of 24.0 GiB left" in warnings[0]
     assert timer.avail_min == 1 << 30  # the lowest point of both phases
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="yatt"):  # the next steps: said again only when 0.5 GiB lower
+        for available in (1 << 30, 900 << 20, 400 << 20):
+            left[0] = available
+            with PhaseTimer(interval_s=0.001)("train"):
+                for _ in range(4):
+                    assert reads.acquire(timeout=60)
+    warnings = [r.getMessage() for r in caplog.records if "memory nearly exhausted" in r.getMessage()]
+    assert len(warnings) == 1 and "0.4 of 24.0 GiB left" in warnings[0]
 
     # what would be left had the rank kept what it released: 2 GiB released during "judge" only
     released = [0]

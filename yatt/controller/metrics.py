@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("yatt")
 LOW_MEMORY_FRACTION = 0.05  # of the machine's memory left available: warn before the OOM killer acts
+LOW_MEMORY_REWARN_BYTES = 1 << 29  # warn again in a phase only when this much less is left than at its last warning
+_low_memory_warned: dict[str, int] = {}  # phase -> bytes available at its last warning (this process)
 
 
 class PhaseTimer:
@@ -27,9 +29,10 @@ class PhaseTimer:
 
     The same sampler keeps the machine's lowest available memory over all phases, less what
     ``released_bytes()`` says this rank has released at that moment (``avail_min``, bytes: what
-    would have been left had it kept everything), and warns (once per phase) when it falls under
+    would have been left had it kept everything), and warns when it falls under
     :data:`LOW_MEMORY_FRACTION` of its total, naming the phase, this rank's resident memory and
-    what is left: the kernel's OOM killer ends a process without a word of its own (mpirun then
+    what is left (once per phase and process, again only when :data:`LOW_MEMORY_REWARN_BYTES`
+    less is left than at that phase's last warning): the kernel's OOM killer ends a process without a word of its own (mpirun then
     reports only "Killed (signal 9)").
     """
 
@@ -84,9 +87,13 @@ class PhaseTimer:
 
 def _warn_if_memory_low(phase: str, rss: int, vm) -> bool:
     """Log a warning if the machine's available memory (``vm``: ``psutil.virtual_memory()``) is
-    under :data:`LOW_MEMORY_FRACTION` of its total; returns whether it did."""
+    under :data:`LOW_MEMORY_FRACTION` of its total and this phase has not warned at a level less
+    than :data:`LOW_MEMORY_REWARN_BYTES` above it; returns whether it did."""
     if vm.available >= LOW_MEMORY_FRACTION * vm.total:
         return False
+    if vm.available > _low_memory_warned.get(phase, vm.total) - LOW_MEMORY_REWARN_BYTES:
+        return True  # said already for this phase
+    _low_memory_warned[phase] = vm.available
     log.warning("memory nearly exhausted during phase %s: this rank holds %.1f GiB, the machine has %.1f of %.1f GiB "
                 "left; the kernel may kill a rank (signal 9). Fewer ranks per machine, a smaller "
                 "trainer.micro_batch_tokens or rollout.kv_cache_memory_bytes, or checkpoint.async_save: false need less",
