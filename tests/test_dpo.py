@@ -32,11 +32,14 @@ def test_pairs_are_chosen_then_rejected_and_bad_rows_counted(tok):
     assert [mb["index"].tolist() for mb in micro] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # whole pairs, in order
 
 
-def test_make_pairs_takes_the_first_right_and_wrong_response():
+def test_make_pairs_pairs_the_ith_right_with_the_ith_wrong_response():
     rows = [SimpleNamespace(question=f"q{i}", answer=str(i)) for i in range(3)]
     groups = [["a", "b", "c"], ["d", "e"], ["f", "g"]]
     scores = [[0.0, 1.0, 1.0], [1.0, 1.0], [0.0, 0.01]]  # only the first has both
     assert make_pairs(rows, groups, scores) == [{"prompt": "q0", "chosen": "b", "rejected": "a", "answer": "0"}]
+    groups, scores = [list("abcdef")], [[0.0, 1.0, 1.0, 0.5, 1.0, 1.0]]  # 4 right, 2 wrong: 2 disjoint pairs
+    assert [(p["chosen"], p["rejected"]) for p in make_pairs(rows, groups, scores, per_prompt=3)] == [("b", "a"), ("c", "d")]
+    assert len(make_pairs(rows, groups, scores, per_prompt=1)) == 1
 
 
 def test_dpo_config_checks():

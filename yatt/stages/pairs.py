@@ -1,14 +1,14 @@
 """Preference pairs from a policy's own samples, scored by a recipe's accuracy source.
 
     python -m yatt.stages.pairs --config configs/grpo_smollm2.yaml --out runs/pairs [--model PATH]
-                                [--n 4] [--max-tokens 48] [key=value ...]
+                                [--n 4] [--pairs-per-prompt 1] [--max-tokens 48] [key=value ...]
 
 For each prompt of the recipe's train and eval data (``data.*``; reasoning-gym rows are generated,
 the eval set excludes every training question), the policy (``model.path``, or ``--model``)
 samples ``--n`` responses on one vLLM engine; the recipe's accuracy source scores them (the
 task's rule for the demo recipe), and a prompt with at least one right (score 1) and one wrong
-response gives one pair: its first right response as ``chosen``, its first wrong one as
-``rejected``. Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` with rows ``{"prompt",
+response gives pairs: its i-th right response as ``chosen`` against its i-th wrong one as
+``rejected``, for i below ``--pairs-per-prompt`` and both counts (so no response is in two pairs). Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` with rows ``{"prompt",
 "chosen", "rejected", "answer"}`` (the prompt's question text, the two responses, the reference
 answer) and prints how many prompts gave a pair. Sampling is seeded (``seed``), so the files
 repeat for the same recipe.
@@ -22,15 +22,16 @@ import sys
 from pathlib import Path
 
 
-def make_pairs(rows, groups: list[list[str]], scores: list[list[float]]) -> list[dict]:
-    """One pair per row whose responses ``groups[i]`` (scored ``scores[i]``) hold a right (1.0)
-    and a wrong (< 1.0) one: ``{"prompt", "chosen", "rejected", "answer"}``, the first of each."""
+def make_pairs(rows, groups: list[list[str]], scores: list[list[float]], per_prompt: int = 1) -> list[dict]:
+    """Pairs ``{"prompt", "chosen", "rejected", "answer"}`` from each row whose responses
+    ``groups[i]`` (scored ``scores[i]``) hold right (1.0) and wrong (< 1.0) ones: the j-th right
+    against the j-th wrong response, for j < min(``per_prompt``, rights, wrongs), in sample order."""
     pairs = []
     for row, texts, score in zip(rows, groups, scores):
         right = [t for t, s in zip(texts, score) if s == 1.0]
         wrong = [t for t, s in zip(texts, score) if s < 1.0]
-        if right and wrong:
-            pairs.append({"prompt": row.question, "chosen": right[0], "rejected": wrong[0], "answer": row.answer})
+        pairs += [{"prompt": row.question, "chosen": c, "rejected": r, "answer": row.answer}
+                  for c, r in zip(right[:per_prompt], wrong)]
     return pairs
 
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None, help="the policy that samples (default: the recipe's model.path)")
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
+    ap.add_argument("--pairs-per-prompt", type=int, default=1, help="at most this many pairs per prompt, no response in two")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the recipe's rollout.max_tokens")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         flat_rows = [r for r, g in zip(rows, groups) for _ in g]
         flat = scorer.accuracy_scores(flat_rows, [t for g in groups for t in g])
         scores = [flat[i * args.n:(i + 1) * args.n] for i in range(len(rows))]
-        pairs = make_pairs(rows, groups, scores)
+        pairs = make_pairs(rows, groups, scores, args.pairs_per_prompt)
         with open(out / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(p) + "\n" for p in pairs)
         right = sum(s == 1.0 for s in flat) / max(len(flat), 1)
