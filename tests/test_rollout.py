@@ -181,6 +181,23 @@ def test_update_weights_in_place(engine, prompts, state, path):
     assert engine._llm is llm and engine._llm.llm_engine.engine_core is core  # no restart
 
 
+def test_a_groups_samples_prefill_its_prompt_once(engine, prompts):
+    """The n samples of a prompt share its KV blocks through the prefix cache: every whole block
+    but the one holding the last prompt token is computed once. On CPU blocks are 32 tokens (vLLM's
+    default there, 128, held no whole block of a short prompt, so each sample prefilled it again)."""
+    from vllm import SamplingParams
+
+    from yatt.rollout.vllm_engine import CPU_BLOCK_SIZE
+
+    llm = engine._llm
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    assert block == CPU_BLOCK_SIZE or torch.cuda.is_available()
+    ids = prompts[0] * 3  # a prompt over two whole blocks
+    llm.reset_prefix_cache()
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(n=4, max_tokens=2, seed=0), use_tqdm=False)
+    assert len(ids) > 2 * block and out[0].num_cached_tokens == (len(ids) - 1) // block * block
+
+
 def test_rejects_bad_input(engine):
     with pytest.raises(ValueError):
         engine.generate([[]], SamplingSpec())

@@ -38,6 +38,7 @@ from yatt import logs
 from yatt.preload import release_free_heap
 
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
+CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on CPU: the prefix cache's unit of sharing
 _CALLS = itertools.count()  # unique request-id prefix per streamed call
 
 
@@ -282,7 +283,11 @@ class VLLMEngine:
             # crashes vLLM's CPU runner ("CPU Generator does not use offset": it rewinds the
             # sampler's generator for the discarded partial-prefill sample), which happened as soon
             # as a call's prompts held more than max_num_batched_tokens (4096) tokens
-            kwargs.update(kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True,
+            # KV blocks of 32 tokens (the CPU attention's smallest; its default is 128): the prefix
+            # cache shares only whole blocks, so with 128 each of a group's n samples prefilled a
+            # prompt under 128 tokens again (4 prompts of 48 tokens x 8 samples, 48 new tokens, one
+            # thread: prefill 4.7 s of a 9.5 s call; 1.9 s of 6.2 s with 32-token blocks)
+            kwargs.update(kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True, block_size=CPU_BLOCK_SIZE,
                           enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         rng_states = _get_rng_states()
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
