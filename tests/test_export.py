@@ -168,9 +168,31 @@ def test_a_trained_critic_exports_as_sequence_classification_and_loads_back(worl
         theirs = [ref.hf_values(hf, hf.score.weight, mb["input_ids"]) for mb in mbs]
     err = max((a[0, 1:] - b[0, 1:]).abs().max().item() for a, b in zip(ours, theirs))
     assert err < TRAINER_ATOL and all(v.abs().max() > 1e-3 for v in ours), err
-    again = MegatronCritic(out)  # the export is a critic's starting point (critic.model)
+    again = MegatronCritic(out, head_init_std=0.5)  # the export is a critic's start (critic.model); its head wins
     for a, b in zip(again.compute_values(mbs), ours):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_reward_model_head_starts_random_and_seeded(world1, trained):
+    """Stage rm's head (``head_init_std`` > 0) is drawn from N(0, std^2) by ``head_seed``, the same
+    on every rank; through a zero head (PPO's critic) the body gets no gradient at all."""
+    from yatt.trainer.critic import MegatronCritic
+
+    base = trained[0]
+    heads = [MegatronCritic(base, head_init_std=0.02, head_seed=seed).module.output_layer.weight.detach().clone()
+             for seed in (3, 3, 4)]
+    assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
+    assert 0.01 < heads[0].std().item() < 0.03 and heads[0].mean().abs().item() < 0.01
+
+    def body_grad(std):
+        critic = MegatronCritic(base, head_init_std=std)
+        critic.module.requires_grad_(True)  # built without an optimizer: a bare GPTModel, plain .grad
+        ids = torch.tensor([trained[4][0]])
+        values = critic.module(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[..., 0]
+        values.sum().backward()
+        return critic.module.decoder.layers[0].mlp.linear_fc2.weight.grad.abs().max().item()
+
+    assert body_grad(0.0) == 0 and body_grad(0.02) > 0
 
 
 @pytest.mark.slow

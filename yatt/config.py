@@ -306,6 +306,11 @@ class CriticConfig(_Section):
     model: str | None = Field(None,
         description="HF folder or packaged model the critic starts from: a causal LM (its value head starts at 0) "
                     "or a sequence-classification model with one label (its score head). Default: model.path")
+    head_init_std: float | None = Field(None, ge=0,
+        description="std of the normal draw the scalar head starts from when the model has none (seeded by seed; "
+                    "a sequence-classification model keeps its own). Default: 0 (zeros) for PPO's critic, so its "
+                    "first advantages are the rewards'; the model's initializer_range (transformers' init of a "
+                    "classification head, 0.02 for SmolLM2) for stage rm, whose body gets no gradient through a zero head")
     lr: float = Field(1e-5, gt=0, description="peak learning rate of the critic (AdamW)")
     min_lr: float = Field(0.0, ge=0, description="the critic's learning rate at the end of the cosine decay")
     warmup_steps: int = Field(0, ge=0, description="the critic's optimizer steps of linear LR warmup")

@@ -141,6 +141,7 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     """(actor, reference or None, critic or None) on a rank that trains."""
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
     from yatt.trainer.critic import MegatronCritic
+    from yatt.trainer.model import read_hf_config
 
     t, c = cfg.trainer, cfg.critic
     dtype = getattr(torch, cfg.model.dtype)
@@ -154,14 +155,17 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
            if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo" else None)
     critic = None
+    head = dict(head_init_std=c.head_init_std or 0.0, head_seed=cfg.seed)
     if cfg.stage == "rm":  # the reward model is the critic's model, trained with the trainer's settings
-        critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, recompute=recompute)
+        if c.head_init_std is None:
+            head["head_init_std"] = read_hf_config(critic_path).get("initializer_range", 0.02)
+        critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, recompute=recompute, **head)
     if c.enabled:
         critic_optim = OptimConfig(lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=t.adam_beta1,
                                    adam_beta2=t.adam_beta2, clip_grad=c.clip_grad, warmup_steps=c.warmup_steps,
                                    total_steps=optim_steps)
         critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=critic_optim, dtype=dtype,
-                                dp_group=placement.train_group, recompute=recompute)
+                                dp_group=placement.train_group, recompute=recompute, **head)
     return actor, ref, critic
 
 

@@ -256,6 +256,7 @@ class MegatronPolicy:
     """
 
     head = "lm"  # the output layer (yatt.trainer.model.build_gpt_model); the critic's is "value"
+    head_init = (0.0, 0)  # the value head's (std, seed) without an HF score head (MegatronCritic)
 
     def __init__(self, hf_path: str | Path, *, tp: int = 1, pp: int = 1, optim: OptimConfig | None = None,
                  dtype: torch.dtype = torch.float32, dp_group=None, recompute: bool = False):
@@ -282,7 +283,8 @@ class MegatronPolicy:
         self.optim = optim
         # full recompute: a layer's activations are recomputed in the backward pass from its input, kept per layer
         recompute_args = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, head=self.head, calculate_per_token_loss=True,
+        self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, head=self.head, head_init_std=self.head_init[0],
+                                                  head_seed=self.head_init[1], calculate_per_token_loss=True,
                                                   **(recompute_args if recompute else {}))
         self.config = self.model.config
         self._device = next(self.model.parameters()).device

@@ -15,12 +15,16 @@ from yatt.trainer.actor import MegatronPolicy, _at_tokens
 
 class MegatronCritic(MegatronPolicy):
     """A value model ``V(s_t)`` for every response token's state, loaded from an HF folder: a
-    causal LM (the policy: the value head starts at zero) or a sequence-classification model
-    (its ``score.weight`` is the head). Arguments and errors as :class:`MegatronPolicy`'s;
-    :meth:`train_step`'s ``loss_fn`` is ``(values [B, T] fp32 with grad, mb) -> (loss 0-dim,
-    stats {name: 0-dim tensor})``."""
+    causal LM (the policy: the value head starts at zero, or drawn from N(0, ``head_init_std``^2)
+    with ``head_seed``) or a sequence-classification model (its ``score.weight`` is the head).
+    Other arguments and errors as :class:`MegatronPolicy`'s; :meth:`train_step`'s ``loss_fn`` is
+    ``(values [B, T] fp32 with grad, mb) -> (loss 0-dim, stats {name: 0-dim tensor})``."""
 
     head = "value"
+
+    def __init__(self, hf_path, *, head_init_std: float = 0.0, head_seed: int = 0, **kwargs):
+        self.head_init = (head_init_std, head_seed)
+        super().__init__(hf_path, **kwargs)
 
     def _loss(self, loss_fn, mb: dict, select, out: torch.Tensor):
         # out: [B, T, 1] at every predicting position, or [1, N, 1] at the selected ones

@@ -77,12 +77,15 @@ def _stage_name(name: str, layout: Layout, pp: int, stage: int, head: str = "lm"
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], layout: Layout,
-                    tp_rank: int, pp: int = 1, stage: int = 0, head: str = "lm") -> None:
+                    tp_rank: int, pp: int = 1, stage: int = 0, head: str = "lm",
+                    head_init_std: float = 0.0, head_seed: int = 0) -> None:
     """Copy HF weights into a bare GPTModel (this TP rank's shards of this pipeline stage),
     casting to the param dtype. With ``head="value"`` the last stage's :class:`ValueHead` takes
     the HF folder's ``score.weight`` ``[1, H]`` (a sequence-classification model's head: a critic
-    or reward model) and starts at zero without one (a critic initialised from a policy: every
-    value 0, so its first advantages are the rewards'); the LM head is not read.
+    or reward model); without one it starts at zero (``head_init_std`` 0: a critic initialised
+    from a policy, every value 0, so its first advantages are the rewards') or drawn from
+    N(0, ``head_init_std``^2) by a generator seeded with ``head_seed`` (the same on every rank: a
+    reward model to train, whose body gets no gradient through a zero head); the LM head is not read.
 
     Raises:
         ValueError: a shape differs, or the model and the mapping disagree on parameter names.
@@ -90,7 +93,9 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
     params = dict(model.named_parameters())
     loaded = set()
     if head == "value" and "output_layer.weight" in params:
-        score = hf_state["score.weight"] if "score.weight" in hf_state else torch.zeros_like(params["output_layer.weight"])
+        shape = params["output_layer.weight"].shape
+        score = (hf_state["score.weight"] if "score.weight" in hf_state
+                 else torch.randn(shape, generator=torch.Generator().manual_seed(head_seed)) * head_init_std)
         params["output_layer.weight"].copy_(score.reshape(params["output_layer.weight"].shape))
         loaded.add("output_layer.weight")
     # the value head's model maps like a tied one: no lm_head is read (a critic folder has none)
@@ -127,7 +132,7 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, head: str = "lm",
-                    **config_overrides):
+                    head_init_std: float = 0.0, head_seed: int = 0, **config_overrides):
     """GPTModel for this TP rank and pipeline stage with the HF folder's weights loaded.
 
     Args:
@@ -136,6 +141,8 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
         head: ``"lm"`` (the causal LM's output layer, logits ``[B, T, Vp/tp]``) or ``"value"``
             (a :class:`ValueHead` on the last stage, ``[B, T, 1]``; embeddings never tied to it;
             :func:`load_hf_weights` says where its weight comes from).
+        head_init_std, head_seed: the value head's start without a ``score.weight`` (see
+            :func:`load_hf_weights`; std 0: zeros).
         config_overrides: extra ``TransformerConfig`` fields (e.g. ``calculate_per_token_loss``).
     Returns:
         (model, layout): the bare ``GPTModel`` (train mode, on CPU or the current CUDA device)
@@ -174,5 +181,5 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     load_hf_weights(model, SafetensorsState(hf_path), layout, parallel_state.get_tensor_model_parallel_rank(),
-                    pp, stage, head)
+                    pp, stage, head, head_init_std, head_seed)
     return model, layout
