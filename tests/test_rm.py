@@ -40,9 +40,10 @@ def test_rm_config_checks():
 
 @pytest.mark.slow
 def test_rm_job_exports_a_reward_model_that_scores_as_trained(mpirun, tmp_path, tiny_policy):
-    """Two Bradley-Terry steps of a reward model on the tiny random policy's body (a high LR so the
-    zero-initialised head moves), exported with --role critic: the reward_model source's vLLM
-    pooling engine gives the held-out pairs the margin and accuracy of the trainer's last eval."""
+    """Two Bradley-Terry steps of a reward model on the tiny random policy's body (its head drawn
+    at random, the stage's default; a high LR so the margin moves), exported with --role critic:
+    the reward_model source's vLLM pooling engine gives the held-out pairs the margin and accuracy
+    of the trainer's last eval."""
     good = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
              "answer": str(i + 1)} for i in range(8)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in good + [{"prompt": "x", "answer": "1"}]) + "\n")
@@ -55,8 +56,9 @@ def test_rm_job_exports_a_reward_model_that_scores_as_trained(mpirun, tmp_path, 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "rm_loss" in r]
     evals = [r for r in records if "eval_pair_accuracy" in r]
-    assert [r["step"] for r in train] == [1, 2] and train[0]["rm_loss"] == pytest.approx(math.log(2))
-    assert evals[0]["eval_reward_margin"] == 0.0 and evals[-1]["eval_reward_margin"] != 0.0  # the head moved
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["rm_loss"]) for r in train)
+    assert evals[0]["eval_reward_margin"] != 0.0  # a random head (a zero one gives every response 0)
+    assert evals[-1]["eval_reward_margin"] != evals[0]["eval_reward_margin"]  # and it trained
     assert sum(r["rm_rows_skipped"] for r in train) >= 1
     subprocess.run([sys.executable, "-m", "yatt.export", str(out / "checkpoints"), str(tmp_path / "rm"), "--role",
                     "critic"], cwd=ROOT, check=True, capture_output=True)

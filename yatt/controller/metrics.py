@@ -32,8 +32,8 @@ class PhaseTimer:
     would have been left had it kept everything), and warns when it falls under
     :data:`LOW_MEMORY_FRACTION` of its total, naming the phase, this rank's resident memory and
     what is left (once per phase and process, again only when :data:`LOW_MEMORY_REWARN_BYTES`
-    less is left than at that phase's last warning): the kernel's OOM killer ends a process without a word of its own (mpirun then
-    reports only "Killed (signal 9)").
+    less is left than at that phase's last warning): the kernel's OOM killer ends a process
+    without a word of its own (mpirun then reports only "Killed (signal 9)").
     """
 
     def __init__(self, interval_s: float = 0.05, on_enter=None, released_bytes=None) -> None:

@@ -8,8 +8,9 @@ the eval set excludes every training question), the policy (``model.path``, or `
 samples ``--n`` responses on one vLLM engine; the recipe's accuracy source scores them (the
 task's rule for the demo recipe), and a prompt with at least one right (score 1) and one wrong
 response gives pairs: its i-th right response as ``chosen`` against its i-th wrong one as
-``rejected``, for i below ``--pairs-per-prompt`` and both counts (so no response is in two pairs). Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` with rows ``{"prompt",
-"chosen", "rejected", "answer"}`` (the prompt's question text, the two responses, the reference
+``rejected``, for i below ``--pairs-per-prompt`` and both counts (so no response is in two
+pairs). Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` with rows ``{"prompt", "chosen",
+"rejected", "answer"}`` (the prompt's question text, the two responses, the reference
 answer) and prints how many prompts gave a pair. Sampling is seeded (``seed``), so the files
 repeat for the same recipe.
 """

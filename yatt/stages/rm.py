@@ -1,9 +1,10 @@
 """Reward-model training (``stage: rm``): a Bradley-Terry reward model on preference pairs.
 
 The model is the critic of the algorithm layer (:class:`yatt.trainer.critic.MegatronCritic`: the
-policy's architecture from ``model.path`` with a scalar head drawn from N(0, ``critic.head_init_std``^2),
-by default the model's ``initializer_range`` as transformers starts a classification head: through a
-zero head, PPO critic's start, the body would get no gradient until the head grew). A row's chosen and
+policy's architecture from ``model.path`` with a scalar head drawn from N(0,
+``critic.head_init_std``^2), by default the model's ``initializer_range`` as transformers starts a
+classification head; through a zero head, PPO's critic's start, the body would get no gradient
+until the head grew). A row's chosen and
 rejected responses (``data.chosen_key``, ``data.rejected_key``) are laid out exactly as the
 ``reward_model`` source scores them (:func:`yatt.reward.reward_model.chat_ids`: the chat through the
 model's template), and a response's reward is the head's value at the last token of that layout.
