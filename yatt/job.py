@@ -155,10 +155,11 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
            if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo" else None)
     critic = None
-    head = dict(head_init_std=c.head_init_std or 0.0, head_seed=cfg.seed)
+    std = c.head_init_std
+    if std is None:  # stage rm: as transformers starts a classification head; PPO's critic: zeros
+        std = read_hf_config(critic_path).get("initializer_range", 0.02) if cfg.stage == "rm" else 0.0
+    head = dict(head_init_std=std, head_seed=cfg.seed)
     if cfg.stage == "rm":  # the reward model is the critic's model, trained with the trainer's settings
-        if c.head_init_std is None:
-            head["head_init_std"] = read_hf_config(critic_path).get("initializer_range", 0.02)
         critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, recompute=recompute, **head)
     if c.enabled:
         critic_optim = OptimConfig(lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=t.adam_beta1,

@@ -4,10 +4,10 @@ The model is the critic of the algorithm layer (:class:`yatt.trainer.critic.Mega
 policy's architecture from ``model.path`` with a scalar head drawn from N(0,
 ``critic.head_init_std``^2), by default the model's ``initializer_range`` as transformers starts a
 classification head; through a zero head, PPO's critic's start, the body would get no gradient
-until the head grew). A row's chosen and
-rejected responses (``data.chosen_key``, ``data.rejected_key``) are laid out exactly as the
-``reward_model`` source scores them (:func:`yatt.reward.reward_model.chat_ids`: the chat through the
-model's template), and a response's reward is the head's value at the last token of that layout.
+until the head grew). A row's chosen and rejected responses (``data.chosen_key``,
+``data.rejected_key``) are laid out exactly as the ``reward_model`` source scores them
+(:func:`yatt.reward.reward_model.chat_ids`: the chat through the model's template), and a
+response's reward is the head's value at the last token of that layout.
 The critic values a position from the hidden state of the token before it, so each sample is the
 layout followed by one more token (EOS) whose value is read; causal attention keeps that token out
 of every earlier state. One optimizer step per step takes the Bradley-Terry loss
