@@ -60,6 +60,13 @@ def test_rm_job_exports_a_reward_model_that_scores_as_trained(mpirun, tmp_path, 
     assert evals[0]["eval_reward_margin"] != 0.0  # a random head (a zero one gives every response 0)
     assert evals[-1]["eval_reward_margin"] != evals[0]["eval_reward_margin"]  # and it trained
     assert sum(r["rm_rows_skipped"] for r in train) >= 1
+    # the reward model is trained alone: no policy is built, saved or synced into an engine
+    final = sorted((out / "checkpoints").glob("step_*"))[-1]
+    assert sorted(p.name for p in (final / "model").iterdir()) == ["critic_tp0_pp0.pt"]
+    assert all(r.get("time_sync_s", 0.0) == 0.0 for r in train)
+    actor = subprocess.run([sys.executable, "-m", "yatt.export", str(out / "checkpoints"), str(tmp_path / "policy")],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert actor.returncode != 0 and "export it with --role critic" in actor.stderr
     subprocess.run([sys.executable, "-m", "yatt.export", str(out / "checkpoints"), str(tmp_path / "rm"), "--role",
                     "critic"], cwd=ROOT, check=True, capture_output=True)
     script = (f"import json; from yatt.reward.genrm import JudgeItem; from yatt.reward.reward_model import RewardModelScorer\n"

@@ -210,6 +210,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
         raise ValueError(f"checkpoint {step} does not verify: {'; '.join(damaged)}")
     meta = read_meta(step)
     path_key = {"actor": "model_path", "critic": "critic_model_path"}[role]  # the base folder of the role's model
+    if role == "actor" and meta.get("config", {}).get("stage") == "rm":
+        raise ValueError(f"checkpoint {step} is a reward model's (stage rm trains no policy): export it with --role critic")
     if path_key not in meta:
         raise ValueError(f"checkpoint {step} has no {role} (meta.json: no {path_key})")
     base = Path(model_path if model_path is not None else meta[path_key])

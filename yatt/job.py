@@ -123,7 +123,8 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                if a.kl_target > 0 else None)  # the adaptive KL-in-reward coefficient (a fixed one has no state)
     phase = watchdog.phase if watchdog is not None else lambda name, step: None
     phase("engines", 0)
-    placement.start()
+    if cfg.stage != "rm":  # a reward model is trained alone: no policy, no rollout engine
+        placement.start()
     ckpt = RunCheckpoints(cfg, info.rank, actor, _dp_rank(placement.train_group),
                           parts={"shard": shard, "data_stats": StatsPart(train_rows.stats), "guard": guard,
                                  "critic_guard": critic_guard, "sampler": sampler, "placement": placement,
@@ -138,7 +139,8 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
 
 
 def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple:
-    """(actor, reference or None, critic or None) on a rank that trains."""
+    """(actor or None, reference or None, critic or None) on a rank that trains; stage rm trains
+    the critic alone (no actor)."""
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
     from yatt.trainer.critic import MegatronCritic
     from yatt.trainer.model import read_hf_config
@@ -150,18 +152,19 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                         adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
     recompute = t.recompute == "full"
+    if cfg.stage == "rm":  # the reward model is the critic's model, trained with the trainer's settings
+        std = c.head_init_std
+        if std is None:  # as transformers starts a classification head
+            std = read_hf_config(critic_path).get("initializer_range", 0.02)
+        return None, None, MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, recompute=recompute,
+                                          head_init_std=std, head_seed=cfg.seed)
     actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group,
                            recompute=recompute)
     ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
            if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo" else None)
     critic = None
-    std = c.head_init_std
-    if std is None:  # stage rm: as transformers starts a classification head; PPO's critic: zeros
-        std = read_hf_config(critic_path).get("initializer_range", 0.02) if cfg.stage == "rm" else 0.0
-    head = dict(head_init_std=std, head_seed=cfg.seed)
-    if cfg.stage == "rm":  # the reward model is the critic's model, trained with the trainer's settings
-        critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, recompute=recompute, **head)
-    if c.enabled:
+    if c.enabled:  # PPO's critic: its head starts at zero unless critic.head_init_std says otherwise
+        head = dict(head_init_std=c.head_init_std or 0.0, head_seed=cfg.seed)
         critic_optim = OptimConfig(lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=t.adam_beta1,
                                    adam_beta2=t.adam_beta2, clip_grad=c.clip_grad, warmup_steps=c.warmup_steps,
                                    total_steps=optim_steps)

@@ -83,7 +83,8 @@ class RunCheckpoints:
     Args:
         cfg: the run config (``checkpoint``, ``resume``, ``trainer.guard.action``).
         rank: global rank.
-        actor: this rank's trained policy (None on ranks that do not train).
+        actor: this rank's trained policy (None on ranks that do not train, and in stage rm,
+            which trains the critic alone).
         dp_rank: this rank's data-parallel index among the trainers (DP rank 0 writes the
             model and optimizer files of its TP x PP shard).
         parts: ``name -> object with state_dict()/load_state_dict()`` saved per rank (the
@@ -99,7 +100,7 @@ class RunCheckpoints:
         self.parts = {k: v for k, v in parts.items() if v is not None}
         self.root = files.checkpoint_root(cfg)
         self.model_key = None
-        if actor is not None:
+        if actor is not None or critic is not None:
             from megatron.core import parallel_state as mpu
 
             key = f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
@@ -152,8 +153,6 @@ class RunCheckpoints:
 
     def _load_policy(self, folder: Path) -> None:
         """Load the actor's (and the critic's) model, optimizer and LR schedule from ``folder``."""
-        if self.actor is None:
-            return
         for role, model in (("actor", self.actor), ("critic", self.critic)):
             if model is None:
                 continue
@@ -170,7 +169,8 @@ class RunCheckpoints:
         model = optim = None
         roles = {}
         if self.model_key is not None:
-            model, optim = _model_state(self.actor)
+            if self.actor is not None:
+                model, optim = _model_state(self.actor)
             if self.critic is not None:
                 roles["critic"] = _model_state(self.critic)
         rank_state = {"rng": rng_state(), "parts": {k: v.state_dict() for k, v in self.parts.items()}}

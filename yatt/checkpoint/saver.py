@@ -179,8 +179,9 @@ class Checkpointer:
         """Snapshot this rank's state for ``step`` and start writing it (collective).
 
         Args:
-            model, optim: this rank's model shard state dict and ``{"optimizer", "scheduler"}``
-                states, or None (written only when ``model_key`` is set).
+            model, optim: this rank's model (the actor's) shard state dict and ``{"optimizer",
+                "scheduler"}`` states, or None (written only when ``model_key`` is set; None there:
+                no actor, e.g. a reward model trained alone).
             roles: other trained models' ``(model, optim)`` states by role (``{"critic": ...}``),
                 written as ``model/<role>_<model_key>.pt`` and ``optim/<role>_<model_key>.pt``.
             rank_state: small per-rank state (RNG, data position, counters), any picklable.
@@ -193,7 +194,8 @@ class Checkpointer:
         jobs = [(copy.deepcopy(rank_state), tmp / "rank" / f"{self.rank:05d}.pt")]
         needed = 1 << 20
         if self.model_key is not None:
-            keys = {files.role_key(r, self.model_key): v for r, v in {"actor": (model, optim), **(roles or {})}.items()}
+            trained = {**({"actor": (model, optim)} if model is not None else {}), **(roles or {})}
+            keys = {files.role_key(r, self.model_key): v for r, v in trained.items()}
             state = {k: {"model": m, "optim": o} for k, (m, o) in keys.items()}
             if self.async_save:  # training goes on while the thread writes: it writes a host copy
                 state = self.snapshot.take(state)

@@ -270,7 +270,7 @@ class Placement:
         Returns what it measured (phases engines and sync; ``on_phase`` as in
         :meth:`rollout_and_score`)."""
         timer = PhaseTimer(on_enter=on_phase, released_bytes=self.released_bytes)
-        if self.roles.mode == "partial_colocate" or not self.trains:
+        if self.roles.mode == "partial_colocate" or not self.trains or actor is None:  # None: no policy (stage rm)
             return timer
         with timer("engines"):  # CPU colocated GenRM: rebuilt here; GPU: woken
             self.rollout.wake()
