@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from yatt.config import Config, ConfigError, load_config
@@ -10,6 +12,12 @@ def test_recipe_loads_and_overrides_apply(tmp_path):
     assert cfg.trainer.total_steps == 3 and isinstance(cfg.trainer.total_steps, int)
     assert cfg.output_dir == str(tmp_path)
     assert cfg.rollout.temperature == 0.5
+
+
+@pytest.mark.parametrize("recipe", sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_validates(recipe):
+    cfg = load_config(recipe, [])
+    assert cfg.trainer.total_steps > 0 and cfg.output_dir.startswith("runs/")
 
 
 @pytest.mark.parametrize("override, expected", [
