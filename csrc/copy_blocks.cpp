@@ -7,6 +7,14 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define YATT_AVX2_STREAM 1
+#endif
+
 namespace yatt {
 
 namespace {
@@ -25,32 +33,106 @@ Block block_at(const int64_t* blocks, int64_t b) {
   return {reinterpret_cast<const char*>(f[0]), f[1], reinterpret_cast<char*>(f[2]), f[3], f[4], f[5]};
 }
 
+// A plan of at least this many bytes is written with non-temporal stores: its destination is far
+// larger than the caches, so a regular store's read-for-ownership of each destination line is
+// wasted traffic. glibc's memcpy streams only runs above its own threshold (megabytes), not the
+// rows of a TP merge or split, nor a head group's or a shard's run of a few hundred KiB. Smaller
+// plans keep regular stores: their destinations stay in cache for whoever reads them next.
+constexpr int64_t kStreamPlanBytes = int64_t{64} << 20;
+constexpr int64_t kStreamRowBytes = 256;  // shorter rows: memcpy (head/tail handling costs more)
+
+#if defined(YATT_AVX2_STREAM)
+// stream_copy with 32-byte loads and non-temporal stores (AVX2 CPUs; chosen at run time).
+__attribute__((target("avx2"))) void stream_copy_avx2(char* dst, const char* src, int64_t n) {
+  const int64_t head = std::min<int64_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+  std::memcpy(dst, src, static_cast<size_t>(head));
+  int64_t i = head;
+  for (; i + 128 <= n; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  for (; i + 32 <= n; i += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+  std::memcpy(dst + i, src + i, static_cast<size_t>(n - i));
+}
+bool has_avx2() {
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
+  return has;
+}
+#endif
+
+// memcpy with non-temporal 16-byte stores for the 16-byte-aligned body of dst (SSE2, every x86-64
+// CPU); elsewhere plain memcpy. The caller fences (copy_span) before its stores count as done.
+void stream_copy(char* dst, const char* src, int64_t n) {
+#if defined(YATT_AVX2_STREAM)
+  if (has_avx2()) return stream_copy_avx2(dst, src, n);
+#endif
+#if defined(__SSE2__)
+  const int64_t head = std::min<int64_t>(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+  std::memcpy(dst, src, static_cast<size_t>(head));
+  int64_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  for (; i + 16 <= n; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  std::memcpy(dst + i, src + i, static_cast<size_t>(n - i));
+#else
+  std::memcpy(dst, src, static_cast<size_t>(n));
+#endif
+}
+
 // Copy bytes [begin, end) of block `blk`'s own byte space (row-major over its rows).
-void copy_range(const Block& blk, int64_t begin, int64_t end) {
+void copy_range(const Block& blk, int64_t begin, int64_t end, bool stream) {
   const int64_t w = blk.row_bytes;
   if (blk.rows == 1 || (blk.src_stride == w && blk.dst_stride == w)) {  // one contiguous run
-    std::memcpy(blk.dst + begin, blk.src + begin, static_cast<size_t>(end - begin));
+    if (stream && end - begin >= kStreamRowBytes)
+      stream_copy(blk.dst + begin, blk.src + begin, end - begin);
+    else
+      std::memcpy(blk.dst + begin, blk.src + begin, static_cast<size_t>(end - begin));
     return;
   }
+  stream = stream && w >= kStreamRowBytes;
   while (begin < end) {
     const int64_t row = begin / w, col = begin % w;
     const int64_t take = std::min(w - col, end - begin);
-    std::memcpy(blk.dst + row * blk.dst_stride + col, blk.src + row * blk.src_stride + col,
-                static_cast<size_t>(take));
+    char* dst = blk.dst + row * blk.dst_stride + col;
+    const char* src = blk.src + row * blk.src_stride + col;
+    if (stream)
+      stream_copy(dst, src, take);
+    else
+      std::memcpy(dst, src, static_cast<size_t>(take));
     begin += take;
   }
 }
 
 // Copy bytes [begin, end) of the concatenated plan; `offsets[b]` = first byte of block b.
-void copy_span(const int64_t* blocks, const std::vector<int64_t>& offsets, int64_t begin, int64_t end) {
+void copy_span(const int64_t* blocks, const std::vector<int64_t>& offsets, int64_t begin, int64_t end,
+               bool stream) {
   auto it = std::upper_bound(offsets.begin(), offsets.end(), begin);
   for (int64_t b = (it - offsets.begin()) - 1; begin < end; ++b) {
     const Block blk = block_at(blocks, b);
     const int64_t first = offsets[b], last = first + blk.rows * blk.row_bytes;
     const int64_t stop = std::min(end, last);
-    if (stop > begin) copy_range(blk, begin - first, stop - first);
+    if (stop > begin) copy_range(blk, begin - first, stop - first, stream);
     begin = std::max(begin, stop);
   }
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();  // this thread's streamed stores are visible before it is joined
+#endif
 }
 
 }  // namespace
@@ -81,11 +163,12 @@ void copy_blocks_cpu(const int64_t* blocks, int64_t n, int threads) {
   threads = static_cast<int>(std::clamp<int64_t>(total / kMinPerThread, 1, threads));
   // Thread t takes bytes [t*total/threads, (t+1)*total/threads), rounded to 64-byte lines.
   auto cut = [&](int t) { return t == threads ? total : (total * t / threads) & ~int64_t{63}; };
+  const bool stream = total >= kStreamPlanBytes;
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
   for (int t = 1; t < threads; ++t)
-    pool.emplace_back(copy_span, blocks, std::cref(offsets), cut(t), cut(t + 1));
-  copy_span(blocks, offsets, 0, cut(1));
+    pool.emplace_back(copy_span, blocks, std::cref(offsets), cut(t), cut(t + 1), stream);
+  copy_span(blocks, offsets, 0, cut(1), stream);
   for (auto& th : pool) th.join();
 }
 

@@ -156,6 +156,19 @@ def test_kernel_many_threads_large_block():
     assert torch.equal(dst.view(n, 7), src[:n * 7].view(n, 7).flip(0))
 
 
+def test_kernel_streams_the_strided_rows_of_a_large_plan():
+    """A plan of >= 64 MiB writes its strided rows with non-temporal stores: rows of 1004 bytes
+    at a destination 12 bytes past 16-byte alignment (head, 16-byte body and tail all run) give
+    the same bytes as torch, and bytes between the rows stay untouched."""
+    rows, width, src_stride, dst_stride = 70_000, 251, 300, 257  # 70.3 MB moved
+    src = torch.randn(rows * src_stride)
+    dst = torch.zeros(rows * dst_stride + 3)
+    run_copies([([src], dst, np.array([[0, 5, src_stride, 3, dst_stride, rows, width]]))], threads=3)
+    want = torch.zeros_like(dst)
+    want[3:].view(rows, dst_stride)[:, :width] = src.view(rows, src_stride)[:, 5:5 + width]
+    assert torch.equal(dst, want)
+
+
 class _Module:
     """Stand-in holder of named parameters (what BucketedSync reads from a GPTModel)."""
 
