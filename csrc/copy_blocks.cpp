@@ -7,9 +7,6 @@
 #include <thread>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define YATT_AVX2_STREAM 1
@@ -42,7 +39,7 @@ constexpr int64_t kStreamPlanBytes = int64_t{64} << 20;
 constexpr int64_t kStreamRowBytes = 256;  // shorter rows: memcpy (head/tail handling costs more)
 
 #if defined(YATT_AVX2_STREAM)
-// stream_copy with 32-byte loads and non-temporal stores (AVX2 CPUs; chosen at run time).
+// memcpy with 32-byte loads and non-temporal 32-byte stores (AVX2 CPUs; chosen at run time).
 __attribute__((target("avx2"))) void stream_copy_avx2(char* dst, const char* src, int64_t n) {
   const int64_t head = std::min<int64_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
   std::memcpy(dst, src, static_cast<size_t>(head));
@@ -67,32 +64,14 @@ bool has_avx2() {
 }
 #endif
 
-// memcpy with non-temporal 16-byte stores for the 16-byte-aligned body of dst (SSE2, every x86-64
-// CPU); elsewhere plain memcpy. The caller fences (copy_span) before its stores count as done.
+// memcpy with non-temporal stores for the aligned body of dst on AVX2 CPUs; elsewhere plain
+// memcpy (the caches' read for ownership stays). The caller fences (copy_span) before its stores
+// count as done.
 void stream_copy(char* dst, const char* src, int64_t n) {
 #if defined(YATT_AVX2_STREAM)
   if (has_avx2()) return stream_copy_avx2(dst, src, n);
 #endif
-#if defined(__SSE2__)
-  const int64_t head = std::min<int64_t>(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
-  std::memcpy(dst, src, static_cast<size_t>(head));
-  int64_t i = head;
-  for (; i + 64 <= n; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  for (; i + 16 <= n; i += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-  std::memcpy(dst + i, src + i, static_cast<size_t>(n - i));
-#else
   std::memcpy(dst, src, static_cast<size_t>(n));
-#endif
 }
 
 // Copy bytes [begin, end) of block `blk`'s own byte space (row-major over its rows).
@@ -130,7 +109,7 @@ void copy_span(const int64_t* blocks, const std::vector<int64_t>& offsets, int64
     if (stop > begin) copy_range(blk, begin - first, stop - first, stream);
     begin = std::max(begin, stop);
   }
-#if defined(__SSE2__)
+#if defined(YATT_AVX2_STREAM)
   if (stream) _mm_sfence();  // this thread's streamed stores are visible before it is joined
 #endif
 }

@@ -22,7 +22,7 @@ int64_t plan_bytes(const int64_t* blocks, int64_t n);
 // concatenated block space (so one huge block is shared by all threads and many tiny blocks are
 // spread evenly); each thread memcpy's its range. threads <= 0: std::thread::hardware_concurrency.
 // Ranges smaller than 1 MiB per thread use fewer threads. A plan of >= 64 MiB is written with
-// non-temporal stores (AVX2 when the CPU has it, else SSE2; rows and runs of >= 256 bytes): its
+// non-temporal stores (on CPUs with AVX2; rows and runs of >= 256 bytes): its
 // destination does not fit the caches, and regular stores would first read every destination line.
 void copy_blocks_cpu(const int64_t* blocks, int64_t n, int threads);
 
