@@ -36,7 +36,7 @@ Block block_at(const int64_t* blocks, int64_t b) {
 // rows of a TP merge or split, nor a head group's or a shard's run of a few hundred KiB. Smaller
 // plans keep regular stores: their destinations stay in cache for whoever reads them next.
 constexpr int64_t kStreamPlanBytes = int64_t{64} << 20;
-constexpr int64_t kStreamRowBytes = 256;  // shorter rows: memcpy (head/tail handling costs more)
+constexpr int64_t kStreamRowBytes = 256;  // shorter runs: memcpy (head/tail handling costs more)
 
 #if defined(YATT_AVX2_STREAM)
 // memcpy with 32-byte loads and non-temporal 32-byte stores (AVX2 CPUs; chosen at run time).
@@ -74,26 +74,25 @@ void stream_copy(char* dst, const char* src, int64_t n) {
   std::memcpy(dst, src, static_cast<size_t>(n));
 }
 
+// One run of n bytes: streamed in a streamed plan when it is long enough, else memcpy.
+void copy_run(char* dst, const char* src, int64_t n, bool stream) {
+  if (stream && n >= kStreamRowBytes)
+    stream_copy(dst, src, n);
+  else
+    std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
 // Copy bytes [begin, end) of block `blk`'s own byte space (row-major over its rows).
 void copy_range(const Block& blk, int64_t begin, int64_t end, bool stream) {
   const int64_t w = blk.row_bytes;
   if (blk.rows == 1 || (blk.src_stride == w && blk.dst_stride == w)) {  // one contiguous run
-    if (stream && end - begin >= kStreamRowBytes)
-      stream_copy(blk.dst + begin, blk.src + begin, end - begin);
-    else
-      std::memcpy(blk.dst + begin, blk.src + begin, static_cast<size_t>(end - begin));
+    copy_run(blk.dst + begin, blk.src + begin, end - begin, stream);
     return;
   }
-  stream = stream && w >= kStreamRowBytes;
   while (begin < end) {
     const int64_t row = begin / w, col = begin % w;
     const int64_t take = std::min(w - col, end - begin);
-    char* dst = blk.dst + row * blk.dst_stride + col;
-    const char* src = blk.src + row * blk.src_stride + col;
-    if (stream)
-      stream_copy(dst, src, take);
-    else
-      std::memcpy(dst, src, static_cast<size_t>(take));
+    copy_run(blk.dst + row * blk.dst_stride + col, blk.src + row * blk.src_stride + col, take, stream);
     begin += take;
   }
 }

@@ -8,7 +8,7 @@
 #   5. GRPO of the SFT model with the trained reward model, alone and mixed with the task's rule
 #
 #   examples/rlhf_pipeline.sh            # the recipes' settings (about 40 min on our 2-core machine)
-#   QUICK=1 examples/rlhf_pipeline.sh    # a few steps per stage, to check the chain (7 min 42 s on 2026-12-02)
+#   QUICK=1 examples/rlhf_pipeline.sh    # a few steps per stage, to check the chain (9 min 6 s on 2026-12-03)
 #
 # Run from the repository root after `make setup`. NP sets the ranks (default 2).
 set -euo pipefail

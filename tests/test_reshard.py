@@ -157,9 +157,9 @@ def test_kernel_many_threads_large_block():
 
 
 def test_kernel_streams_the_strided_rows_of_a_large_plan():
-    """A plan of >= 64 MiB writes its strided rows with non-temporal stores: rows of 1004 bytes
-    at a destination 12 bytes past 16-byte alignment (head, 16-byte body and tail all run) give
-    the same bytes as torch, and bytes between the rows stay untouched."""
+    """A plan of >= 64 MiB writes its strided rows with non-temporal stores (AVX2 CPUs): rows of
+    1004 bytes at destinations off 32-byte alignment (the unaligned head, the 32-byte body and the
+    tail all run) give the same bytes as torch, and bytes between the rows stay untouched."""
     rows, width, src_stride, dst_stride = 70_000, 251, 300, 257  # 70.3 MB moved
     src = torch.randn(rows * src_stride)
     dst = torch.zeros(rows * dst_stride + 3)
