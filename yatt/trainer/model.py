@@ -3,8 +3,10 @@
 Megatron's ``parallel_state`` must be initialised first: the model is built for this process's
 TP rank and pipeline stage (stage ``s`` of ``pp`` holds layers ``stage_layers(layout, pp, s)``
 under stage-local indices, the first stage the embedding, the last the final norm and output
-layer; with tied embeddings the last stage's output layer starts as a copy of the embedding). Layers use the local spec (``get_gpt_layer_local_spec``, no
-Transformer Engine) so the model also runs on CPU (see :mod:`yatt.trainer.megatron_cpu`).
+layer; with tied embeddings the last stage's output layer starts as a copy of the embedding).
+Layers use the local spec (``get_gpt_layer_local_spec``, no Transformer Engine) so the model also
+runs on CPU (see :mod:`yatt.trainer.megatron_cpu`), with its core attention computed by torch's
+fused kernel (:mod:`yatt.trainer.attention`).
 """
 from __future__ import annotations
 
@@ -174,7 +176,11 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
     kwargs = gpt_model_kwargs(hf, tp)
     if head == "value":
         kwargs["share_embeddings_and_output_weights"] = False
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), **kwargs,
+    from yatt.trainer.attention import SdpaAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention  # same function, fused
+    model = GPTModel(config, spec, **kwargs,
                      pre_process=stage == 0, post_process=stage == pp - 1)
     if head == "value" and stage == pp - 1:
         model.output_layer = ValueHead(layout.hidden_size, dtype)
