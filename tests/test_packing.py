@@ -2,6 +2,8 @@
 and gradients equal to the padded rows' on a tiny Llama and a tiny Qwen2 (world 1, fp32)."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def test_attention_mask_keeps_each_response_to_its_prompt_and_itself():
         [1, 1, 0, 0, 1, 0, 0, 0],  # response 2 skips response 1
         [0, 0, 0, 0, 0, 1, 0, 0],  # the second document starts afresh
         [0, 0, 0, 0, 0, 1, 1, 0],
-        [0, 0, 0, 0, 0, 0, 0, 0],  # padding attends to nothing
+        [0, 0, 0, 0, 0, 0, 0, 1],  # padding attends to itself only (no fully masked query)
     ], dtype=torch.bool)
     assert torch.equal(allowed, want)
 
@@ -86,13 +88,44 @@ def test_packed_logprobs_grads_and_values_equal_padded(world1, tmp_path, model_t
     ref.packed_vs_padded(MegatronCritic(tmp_path / "critic"), 0, "critic")
 
 
-def test_a_long_group_starts_another_copy_of_its_prompt():
-    """A shared-prompt document stays within twice the padded width (SHARED_WIDTH): a group whose
-    responses run longer takes another copy of its prompt."""
-    prompt, responses = [7] * 4, [[1] * 6, [2] * 5, [3] * 6, [4] * 2]  # padded width 10, cap 20
+def test_a_short_group_is_one_document():
+    """Responses short against ATTENTION_WIDTH: the whole group in one row, its prompt once, though
+    the row is wider than twice the padded width."""
+    prompt, responses = [7] * 4, [[1] * 6, [2] * 5, [3] * 6, [4] * 2]  # padded width 10
     lay = pack_rows([prompt] * 4, responses, width=10, mode="shared_prompt")
-    assert int((lay["packed_segments"] >= 0).sum()) == 4 + 6 + 5 + 4 + 6 + 2  # prompt, r1, r2 | prompt, r3, r4
+    assert tuple(lay["packed_ids"].shape) == (1, 4 + 6 + 5 + 6 + 2)
     ids, idx = lay["packed_ids"].flatten(), lay["packed_index"]
     for b, r in enumerate(responses):
         assert ids[idx[b, :4 + len(r)]].tolist() == prompt + r
-    assert idx[0, 0] == idx[1, 0] != idx[2, 0] == idx[3, 0]
+    assert len(set(idx[:, 0].tolist())) == 1
+
+
+def test_a_long_group_starts_another_copy_of_its_prompt():
+    """Responses long against ATTENTION_WIDTH: one wide row would cost more attention than the
+    prompt's copies, so each response gets its own (4 rows of 1004, not 1 of 4004)."""
+    prompt, responses = [7] * 4, [[b + 1] * 1000 for b in range(4)]
+    lay = pack_rows([prompt] * 4, responses, width=1004, mode="shared_prompt")
+    assert tuple(lay["packed_ids"].shape) == (4, 1004)
+    ids, idx = lay["packed_ids"].flatten(), lay["packed_index"]
+    for b, r in enumerate(responses):
+        assert ids[idx[b, :1004]].tolist() == prompt + r
+    assert len(set(idx[:, 0].tolist())) == 4
+
+
+def test_the_layout_costs_no_more_than_twice_the_padded_width():
+    """Among its candidate widths the layout keeps the cheapest, so never a costlier one than the
+    fixed cap of twice the padded width that packing used before."""
+    from yatt.trainer.packing import ATTENTION_WIDTH, _layout
+
+    rng = random.Random(5)
+    for _ in range(50):
+        p_len, n, groups = rng.randint(5, 200), rng.randint(1, 16), rng.randint(1, 4)
+        prompts = [[g] * p_len for g in range(groups) for _ in range(n)]
+        responses = [[1] * rng.randint(1, 600) for _ in prompts]
+        width = p_len + max(map(len, responses))
+        lay = pack_rows(prompts, responses, width, mode="shared_prompt")
+        cost = lay["packed_ids"].numel() * (1 + lay["packed_ids"].shape[1] / ATTENTION_WIDTH)
+        members = [(prompts[g * n], sorted(range(g * n, g * n + n), key=lambda b: -len(responses[b])))
+                   for g in range(groups)]
+        _, _, rows, W = _layout(members, [len(r) for r in responses], 2 * width)
+        assert cost <= len(rows) * W * (1 + W / ATTENTION_WIDTH) + 1e-9
