@@ -4,10 +4,11 @@ from __future__ import annotations
 import heapq
 import random
 
+import numpy as np
 import pytest
 
 from yatt import _C
-from yatt.balance import dp_balance, imbalance, partition, split_micro_batches
+from yatt.balance import dp_balance, dp_balance_groups, imbalance, partition, split_micro_batches
 
 
 # ---- references ------------------------------------------------------------------------------
@@ -276,8 +277,6 @@ def test_bad_arguments(method):
 # ---------------------------------------------------------------- fused DP balancer
 def _check_plan(plan, lengths, ranks, max_tokens):
     """Every sequence exactly once; rank and micro-batch offsets consistent; budget kept."""
-    import numpy as np
-
     n = len(lengths)
     assert sorted(plan.order.tolist()) == list(range(n))
     assert plan.rank_offsets[0] == 0 and plan.rank_offsets[-1] == n and len(plan.rank_offsets) == ranks + 1
@@ -364,3 +363,69 @@ def test_dp_balance_leaves_no_rank_empty_when_every_rank_can_have_a_sequence(see
                               [int(rng.paretovariate(1.0) * 10) for _ in range(n)]])
         plan = dp_balance(lengths, ranks, 10**9)
         assert all(len(plan.rank_samples(r)) for r in range(ranks)), (lengths, ranks)
+
+
+def _groups_case(rng, groups: int, n: int, max_response: int = 48):
+    """``groups`` groups of ``n`` samples: (prompt lengths, response lengths, labels)."""
+    P, R, G = [], [], []
+    for g in range(groups):
+        p = rng.randint(20, 60)
+        for _ in range(n):
+            P.append(p), R.append(rng.randint(1, max_response)), G.append(10 * g + 3)  # labels: any ints
+    return P, R, G
+
+
+def _shared_cost(P, R, G, idx) -> int:
+    """Tokens a shared-prompt micro-batch of samples ``idx`` runs: responses, each prompt once."""
+    return sum(R[i] for i in idx) + sum(P[i] for i in {G[i]: i for i in idx}.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_balance_groups_plan_is_valid_and_never_costlier_than_per_sample(seed):
+    """Every sample once; rank costs and micro-batch budgets under the shared-prompt cost; the
+    costliest rank no costlier than dp_balance's plan on P + R, and on average clearly cheaper."""
+    rng, ratios = random.Random(seed), []
+    for _ in range(60):
+        P, R, G = _groups_case(rng, rng.randint(1, 8), rng.choice([1, 4, 8, 16]))
+        ranks, budget = rng.choice([1, 2, 3, 4]), rng.choice([100, 2048])
+        plan = dp_balance_groups(P, R, G, ranks, budget)
+        n = len(P)
+        assert sorted(plan.order.tolist()) == list(range(n)) and (plan.order[plan.position] == np.arange(n)).all()
+        assert plan.rank_offsets[-1] == n and plan.mb_offsets[-1] == n and (np.diff(plan.mb_offsets) > 0).all()
+        for r in range(ranks):
+            assert plan.rank_cost[r] == _shared_cost(P, R, G, plan.rank_samples(r).tolist())
+            for mb in plan.rank_micro_batches(r):
+                assert _shared_cost(P, R, G, mb.tolist()) <= budget or len(mb) == 1
+        if n >= ranks:
+            assert all(len(plan.rank_samples(r)) for r in range(ranks))
+        per_sample = dp_balance(np.add(P, R), ranks, budget)
+        worst = max(_shared_cost(P, R, G, per_sample.rank_samples(r).tolist()) for r in range(ranks))
+        assert plan.rank_cost.max() <= worst
+        ratios.append(plan.rank_cost.max() / worst)
+    assert np.mean(ratios) < 0.95
+
+
+def test_dp_balance_groups_splits_at_most_ranks_minus_one_group():
+    """The demo's shape: 4 groups of 8 on 2 ranks: 5 prompt copies at most (KK on P + R copies
+    nearly every prompt onto both ranks), and rank costs within a response and a prompt."""
+    rng = random.Random(1)
+    P, R, G = _groups_case(rng, 4, 8)
+    plan = dp_balance_groups(P, R, G, 2, 2048)
+    copies = sum(len({G[i] for i in plan.rank_samples(r)}) for r in range(2))
+    per_sample = dp_balance(np.add(P, R), 2, 2048)
+    assert copies <= 5 < sum(len({G[i] for i in per_sample.rank_samples(r)}) for r in range(2))
+    assert abs(int(plan.rank_cost[0]) - int(plan.rank_cost[1])) <= max(R) + max(P)
+    assert plan.costs.sum() == sum(R) + sum(P[G.index(g)] for g in set(G))
+
+
+def test_dp_balance_groups_bad_arguments():
+    with pytest.raises(ValueError, match="group labels"):
+        dp_balance_groups([1, 2], [1, 2], [0], 2, 64)
+    with pytest.raises(ValueError, match="different prompt lengths"):
+        dp_balance_groups([5, 6], [1, 2], [0, 0], 2, 64)
+    with pytest.raises(ValueError, match=">= 0"):
+        dp_balance_groups([5, 5], [1, -2], [0, 0], 2, 64)
+    with pytest.raises(ValueError, match="ranks >= 1"):
+        dp_balance_groups([5], [1], [0], 0, 64)
+    empty = dp_balance_groups([], [], [], 3, 64)
+    assert len(empty.order) == 0 and empty.rank_cost.tolist() == [0, 0, 0]

@@ -96,10 +96,12 @@ def test_fewer_mini_batches_when_a_small_step_cannot_give_every_rank_a_sample():
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("skip", [False, True])
-def test_layouts_of_all_ranks_agree_on_every_route(seed, skip):
+@pytest.mark.parametrize("shared", [False, True])
+def test_layouts_of_all_ranks_agree_on_every_route(seed, skip, shared):
     """The plan seen from each of D simulated ranks: what p sends q is what q expects from p, in
     order; every kept sample lands on exactly one rank, in the mini-batch of its own chunk; micro-batches
-    cover the balanced list. ``skip``: a random part of the samples is left out (zero signal)."""
+    cover the balanced list. ``skip``: a random part of the samples is left out (zero signal);
+    ``shared``: the by-group plan of shared-prompt packing (groups of 1-3 samples)."""
     from types import SimpleNamespace
 
     from yatt.controller.batch import mini_batch_bounds
@@ -110,13 +112,16 @@ def test_layouts_of_all_ranks_agree_on_every_route(seed, skip):
     every = [np.stack([rng.integers(5, 40, n), rng.pareto(1.0, n).astype(np.int64) + 1], axis=1)
              for n in rng.integers(0, 12, ranks)]
     keeps = [rng.random(len(x)) < (0.5 if skip else 2.0) for x in every]
+    groups = [np.cumsum(rng.random(len(x)) < 0.5) for x in every]
+    for x, g in zip(every, groups):  # a group's samples share the prompt length of its first
+        x[:, 0] = x[np.searchsorted(g, g), 0]
     mini = _fillable(2, [len(x) for x in every], ranks)
     bounds = [mini_batch_bounds(len(x), mini) if mini else [0] for x in every]
     layouts = []
     for r in range(ranks):
-        balancer = DpBalancer(BalanceConfig(), token_budget=64)
+        balancer = DpBalancer(BalanceConfig(), token_budget=64, shared_prompt=shared)
         balancer.exchange = SimpleNamespace(size=ranks, rank=r)
-        layouts.append(balancer._layout(every, keeps, bounds))
+        layouts.append(balancer._layout(every, keeps, groups, bounds))
     placed = sorted((int(p), int(i)) for lay in layouts for p, i in zip(lay.src, lay.src_local))
     if mini:
         assert placed == sorted((p, i) for p, k in enumerate(keeps) for i in np.nonzero(k)[0])

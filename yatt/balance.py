@@ -19,6 +19,7 @@ parts are ordered by their smallest index, empty parts last.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ except ImportError as exc:  # no silent Python fallback: the kernels must be bui
         "`pip install --no-build-isolation -e .`"
     ) from exc
 
-__all__ = ["METHODS", "DpPlan", "dp_balance", "partition", "split_micro_batches", "imbalance"]
+__all__ = ["METHODS", "DpPlan", "dp_balance", "dp_balance_groups", "partition", "split_micro_batches", "imbalance"]
 
 METHODS = ("kk", "greedy")
 
@@ -198,3 +199,110 @@ def dp_balance(lengths: Sequence[int], ranks: int, max_tokens: int, *, cost: tup
     position = np.empty_like(plan["order"])
     position[plan["order"]] = np.arange(len(plan["order"]))
     return DpPlan(**plan, position=position)
+
+
+def dp_balance_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], groups: Sequence[int],
+                      ranks: int, max_tokens: int) -> DpPlan:
+    """Balancer for shared-prompt packing: each group's prompt runs once per rank and micro-batch
+    that holds some of its responses, so groups stay whole where balance allows.
+
+    Cost of a set of samples: their response tokens plus each group's prompt tokens once
+    (:mod:`yatt.trainer.packing`, ``shared_prompt``). Ranks are filled in turn, groups largest
+    first and each group's samples in index order, up to an equal share of the remaining cost
+    and of the prompt copies later cuts are expected to add (the sample that crosses that line
+    joins the rank if that leaves it closer); the group being filled when a rank closes continues
+    on the next rank with another copy of its prompt. So at most ``ranks - 1`` groups are split.
+    The plan of :func:`dp_balance` on ``P + R`` (samples one by one, most prompts copied onto
+    every rank) is costed the same way and kept instead when its costliest rank is cheaper (a
+    single group over many ranks). Micro-batches: each rank's samples in fill order, cut before a
+    sample that would take the micro-batch over ``max_tokens`` (same cost).
+
+    Args:
+        prompt_lens, response_lens: ``n`` non-negative token counts each (shape ``(n,)``).
+        groups: ``n`` group labels (any ints); a group's samples share one prompt (same length).
+        ranks: DP size, ``>= 1``.
+        max_tokens: token budget per micro-batch, ``>= 1``.
+    Returns:
+        :class:`DpPlan` whose ``rank_cost`` is each rank's cost as above and ``costs`` each
+        sample's share in the input layout (its response tokens, plus its prompt's for the first
+        sample of each group), so summing ``costs`` over whole groups gives their cost. Samples
+        keep index order inside a micro-batch. Every rank gets a sample while ``n >= ranks``.
+    Raises:
+        ValueError: arrays of different lengths, a negative length, ``ranks < 1``, ``max_tokens < 1``,
+            or samples of one group with different prompt lengths.
+    """
+    P, R, G = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (prompt_lens, response_lens, groups))
+    n = len(P)
+    if len(R) != n or len(G) != n:
+        raise ValueError(f"{n} prompt lengths, {len(R)} response lengths and {len(G)} group labels")
+    if ranks < 1 or max_tokens < 1:
+        raise ValueError(f"need ranks >= 1 and max_tokens >= 1, got {ranks}, {max_tokens}")
+    if n and (P.min() < 0 or R.min() < 0):
+        raise ValueError("lengths must be >= 0")
+    _, first, group = np.unique(G, return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    if (P != P[first][group]).any():
+        raise ValueError("samples of one group have different prompt lengths")
+    costs = R.copy()
+    costs[first] += P[first]
+
+    def rank_costs(rank_of: np.ndarray) -> np.ndarray:
+        pieces = np.unique(rank_of * len(first) + group)  # (rank, group) pairs: one prompt copy each
+        return (np.bincount(rank_of, weights=R, minlength=ranks)
+                + np.bincount(pieces // len(first), weights=P[first][pieces % len(first)], minlength=ranks)).astype(np.int64)
+
+    group_cost = np.bincount(group, weights=costs, minlength=len(first))
+    queue = np.concatenate([np.nonzero(group == g)[0] for g in sorted(range(len(first)), key=lambda g: (-group_cost[g], first[g]))]
+                           or [np.zeros(0, np.int64)])  # groups largest first, samples in index order
+    rank_of = _fill_ranks(queue, P, R, group, ranks, float(group_cost.sum()))
+    kk = dp_balance(P + R, ranks, max_tokens)
+    kk_rank = np.empty(n, np.int64)
+    kk_rank[kk.order] = np.repeat(np.arange(ranks), np.diff(kk.rank_offsets))
+    if n and rank_costs(kk_rank).max() < rank_costs(rank_of).max():
+        return dataclasses.replace(kk, rank_cost=rank_costs(kk_rank), costs=costs)
+
+    order, rank_offsets, mb_offsets, mb_rank_offsets = [], [0], [0], [0]
+    for r in range(ranks):
+        mb, load, seen = [], 0, set()
+        for i in queue[rank_of[queue] == r]:
+            if mb and load + R[i] + (P[i] if group[i] not in seen else 0) > max_tokens:
+                order += sorted(mb)
+                mb_offsets.append(len(order))
+                mb, load, seen = [], 0, set()
+            load += R[i] + (P[i] if group[i] not in seen else 0)
+            mb.append(i)
+            seen.add(group[i])
+        if mb:
+            order += sorted(mb)
+            mb_offsets.append(len(order))
+        rank_offsets.append(len(order))
+        mb_rank_offsets.append(len(mb_offsets) - 1)
+    order = np.asarray(order, dtype=np.int64)
+    position = np.empty_like(order)
+    position[order] = np.arange(n)
+    return DpPlan(order, np.asarray(rank_offsets, np.int64), np.asarray(mb_offsets, np.int64),
+                  np.asarray(mb_rank_offsets, np.int64), rank_costs(rank_of), costs, position)
+
+
+def _fill_ranks(queue: np.ndarray, P: np.ndarray, R: np.ndarray, group: np.ndarray, ranks: int,
+                total: float) -> np.ndarray:
+    """Rank of each sample: ranks filled in turn with ``queue``'s samples (see
+    :func:`dp_balance_groups`); ``total`` is the cost with every group whole."""
+    n = len(queue)
+    rank_of = np.zeros(len(P), np.int64)
+    copy = float(P[queue].mean()) if n else 0.0  # a split group's next prompt copy, expected
+    remaining, k = total, 0
+    for r in range(ranks):
+        target, last, load, open_group = (remaining + copy * (ranks - r - 1)) / (ranks - r), r == ranks - 1, 0, -1
+        while k < n:
+            i = queue[k]
+            c = R[i] + (P[i] if group[i] != open_group else 0)
+            starve = not last and n - k <= ranks - r - 1  # leave a sample for each later rank
+            fits = last or load == 0 or load + c <= target or abs(load + c - target) < abs(load - target)
+            if starve or not fits:
+                if group[i] == open_group:
+                    remaining += P[i]  # the group goes on on the next rank: another prompt copy
+                break
+            rank_of[i], load, open_group, k = r, load + c, group[i], k + 1
+        remaining -= load
+    return rank_of

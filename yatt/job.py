@@ -111,7 +111,8 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
     actor, ref, critic = _models(cfg, placement, model_path, critic_path) if placement.trains else (None, None, None)
     mp_group, dp_group = _groups()
     dp_group = placement.train_group or dp_group
-    balancer = DpBalancer(t.balance, t.micro_batch_tokens, dp_group) if placement.trains and t.balance.enabled else None
+    balancer = (DpBalancer(t.balance, t.micro_batch_tokens, dp_group, shared_prompt=t.packing == "shared_prompt")
+                if placement.trains and t.balance.enabled else None)
     g = t.guard
     estimator = estimator_for(a.estimator, a.norm_adv_by_std)
     guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled else None

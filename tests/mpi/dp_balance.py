@@ -6,8 +6,9 @@ the model's; the real SmolLM2 costs several times as much here and checks nothin
     mpirun -np 2 python tests/mpi/dp_balance.py train   # logprobs + one optimizer step, both transports
     mpirun -np 4 python tests/mpi/dp_balance.py         # logprobs, both transports
 
-Every rank holds 8 samples: real prompts from the demo task, responses of random tokens whose
+Every rank holds 8 samples in groups of 2: real prompts from the demo task, responses of random tokens whose
 lengths are skewed on purpose (rank 0's are long-tailed and up to 12x longer). Checks:
+- both plans (samples one by one, and by group for shared-prompt packing), two transports;
 - routing: rollout logprobs and response tokens returned to their owners with ``to_owners`` are
   bit-equal to the owners' own (every sample arrived exactly once, in order);
 - the balanced per-rank cost imbalance is lower than the rollout layout's, and near 1;
@@ -39,7 +40,7 @@ def _samples(tok, rank: int, n: int = 8):
     for i in range(n):
         r = rng.randint(60, 240) if rank == 0 and i % 2 == 0 else rng.randint(4, 20)
         resp = [rng.randrange(100, 40000) for _ in range(r)]
-        out.append(Sample(rows[i % len(rows)].prompt_ids, resp, [-rng.random() for _ in range(r)],
+        out.append(Sample(rows[i // 2].prompt_ids, resp, [-rng.random() for _ in range(r)],  # groups of 2
                           rng.choice(("stop", "length")), reward=float(i % 2), advantage=rng.uniform(-1, 1)))
     return out
 
@@ -100,8 +101,8 @@ def main(*args: str) -> None:
     samples, budget, minis = _samples(tok, info.rank), 384, 2
     own = _response_logprobs(actor, samples, _own_splits(samples, minis, budget), tok.pad_token_id)
 
-    for transport in ("auto", "torch"):
-        bal = DpBalancer(BalanceConfig(), budget, transport=transport).balance(samples, minis)
+    for transport, shared in (("auto", False), ("torch", False), ("auto", True)):
+        bal = DpBalancer(BalanceConfig(), budget, transport=transport, shared_prompt=shared).balance(samples, minis)
         assert (bal.imbalance_after < bal.imbalance_before and bal.imbalance_after < 1.15), (
             f"imbalance {bal.imbalance_before:.3f} -> {bal.imbalance_after:.3f}")
         back = bal.to_owners([np.array(s.rollout_logprobs, np.float32) for s in bal.samples])
@@ -111,7 +112,7 @@ def main(*args: str) -> None:
         lps = bal.to_owners(_response_logprobs(actor, bal.samples, bal.splits, tok.pad_token_id))
         err = max(float(np.abs(a - b).max()) for a, b in zip(lps, own))
         assert err < LOGPROB_ATOL, f"{transport}: balanced vs own-layout logprobs differ by {err}"
-        print(f"rank {info.rank} {transport}: {len(samples)} -> {len(bal.samples)} samples, imbalance "
+        print(f"rank {info.rank} {transport}{' by group' if shared else ''}: {len(samples)} -> {len(bal.samples)} samples, imbalance "
               f"{bal.imbalance_before:.3f} -> {bal.imbalance_after:.3f}, logprob err {err:.1e}", flush=True)
 
     if train:

@@ -5,7 +5,9 @@ long-tailed, so without balancing every logprob and training pass waits for the 
 most tokens. For each mini-batch (one optimizer step), the ranks all-gather the (prompt,
 response) lengths of its samples (small metadata, never the samples), every rank derives the
 same plan with the fused C++ balancer (:func:`yatt.balance.dp_balance`: ranks by Karmarkar-Karp
-on ``a*L + b*L**2``, micro-batches under the token budget), and the samples move between ranks as
+on ``a*L + b*L**2``, micro-batches under the token budget; with shared-prompt packing
+:func:`yatt.balance.dp_balance_groups`, which keeps a group's samples together so its prompt runs
+once), and the samples move between ranks as
 packed byte buffers in one all-to-all-v (``MPI_Alltoallv`` under an MPI launcher, else
 torch.distributed), laid out by :mod:`yatt.controller.wire` from the sample class's fields (a
 field added to the sample travels with it). Per-token results computed on the balanced layout go
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from yatt.balance import DpPlan, dp_balance
+from yatt.balance import DpPlan, dp_balance, dp_balance_groups
 from yatt.config import BalanceConfig
 from yatt.controller import wire
 from yatt.controller.batch import Sample, mini_batch_bounds, skipped_counts
@@ -109,11 +111,15 @@ class DpBalancer:
         transport: ``"auto"`` (MPI under an MPI launcher, else torch.distributed) or ``"torch"``.
         sample_type: the sample dataclass (:class:`~yatt.controller.batch.Sample` or a subclass
             with more fields); every rank passes the same.
+        shared_prompt: the trainer packs ``trainer.packing: shared_prompt`` micro-batches: cost a
+            group's prompt once per rank and micro-batch (:func:`yatt.balance.dp_balance_groups`;
+            ``cost_quadratic`` and ``equal_count`` then take :func:`yatt.balance.dp_balance`).
     """
 
     def __init__(self, cfg: BalanceConfig, token_budget: int, group=None, transport: str = "auto",
-                 sample_type: type = Sample):
+                 sample_type: type = Sample, shared_prompt: bool = False):
         self.cfg, self.token_budget, self.sample_type = cfg, token_budget, sample_type
+        self.by_group = shared_prompt and not cfg.equal_count and cfg.cost_quadratic == 0
         self.exchange = _Exchange(group, transport)
 
     def balance(self, samples: list[Sample], mini_batches: int, keep: list[bool] | None = None) -> Balanced:
@@ -137,11 +143,12 @@ class DpBalancer:
         ex = self.exchange
         lengths = wire.lengths(samples)
         kept = np.ones(len(samples), dtype=np.int64) if keep is None else np.asarray(keep, dtype=np.int64)
-        meta = ex.allgather(np.column_stack([lengths, kept]))  # [n_d, 3] per rank: the only data every rank sees
-        every, keeps = [x[:, :2] for x in meta], [x[:, 2].astype(bool) for x in meta]
+        group = np.cumsum([i == 0 or s.prompt_ids != samples[i - 1].prompt_ids for i, s in enumerate(samples)])
+        meta = ex.allgather(np.column_stack([lengths, kept, group]))  # [n_d, 4] per rank: the only data every rank sees
+        every, keeps, groups = [x[:, :2] for x in meta], [x[:, 2].astype(bool) for x in meta], [x[:, 3] for x in meta]
         chunks = _fillable(mini_batches, [len(x) for x in every], ex.size)
         bounds = [mini_batch_bounds(len(x), chunks) if chunks else [0] for x in every]
-        lay = self._layout(every, keeps, bounds)
+        lay = self._layout(every, keeps, groups, bounds)
         recv_pos = [np.nonzero(lay.src == p)[0] for p in range(ex.size)]
         recv_lens = [every[p][lay.src_local[pos]] for p, pos in enumerate(recv_pos)]
         cls = self.sample_type
@@ -155,7 +162,8 @@ class DpBalancer:
         skipped = skipped_counts(samples, keep, bounds[ex.rank])
         return Balanced(balanced, lay.splits, skipped, _imbalance(lay.before), _imbalance(lay.after), route)
 
-    def _layout(self, every: list[np.ndarray], keeps: list[np.ndarray], bounds: list[list[int]]) -> _Layout:
+    def _layout(self, every: list[np.ndarray], keeps: list[np.ndarray], groups: list[np.ndarray],
+                bounds: list[list[int]]) -> _Layout:
         """The plan of every mini-batch (rank ``d``'s chunk ``m``: its samples ``bounds[d][m]`` to
         ``bounds[d][m + 1]`` that ``keeps[d]`` marks), seen from this rank (pure: the same inputs on
         every rank)."""
@@ -166,8 +174,9 @@ class DpBalancer:
             chunk = [np.arange(b[m], b[m + 1])[k[b[m]:b[m + 1]]] for b, k in zip(bounds, keeps)]
             owner = np.concatenate([np.full(len(c), d) for d, c in enumerate(chunk)]).astype(np.int64)
             local = np.concatenate(chunk).astype(np.int64)
-            lens = np.concatenate([x[c].sum(axis=1) for x, c in zip(every, chunk)])
-            plan = self._plan(lens)
+            lens = np.concatenate([x[c] for x, c in zip(every, chunk)]).reshape(-1, 2)
+            labels = np.concatenate([g[c] * d_size + d for d, (g, c) in enumerate(zip(groups, chunk))])
+            plan = self._plan(lens, labels)
             lay.before.append(np.bincount(owner, weights=plan.costs, minlength=d_size).astype(np.float64))
             lay.after.append(plan.rank_cost.astype(np.float64))
             for q in range(d_size):  # what each peer receives from me, in its packed order
@@ -183,8 +192,13 @@ class DpBalancer:
         lay.send = [np.concatenate(x) if x else np.zeros(0, np.int64) for x in lay.send]
         return lay
 
-    def _plan(self, lens: np.ndarray) -> DpPlan:
+    def _plan(self, lens: np.ndarray, groups: np.ndarray) -> DpPlan:
+        """Plan of one mini-batch: ``lens`` ``[n, 2]`` (prompt, response) tokens, ``groups`` ``[n]``
+        labels of the samples that share a prompt."""
+        if self.by_group:
+            return dp_balance_groups(lens[:, 0], lens[:, 1], groups, self.exchange.size, self.token_budget)
         cost = (self.cfg.cost_linear, self.cfg.cost_quadratic)
+        lens = lens.sum(axis=1)
         plan = dp_balance(lens, self.exchange.size, self.token_budget, cost=cost, equal_count=self.cfg.equal_count)
         if (np.diff(plan.rank_offsets) == 0).any():  # only zero-cost ties can leave a rank empty
             plan = dp_balance(lens, self.exchange.size, self.token_budget, cost=cost, equal_count=True)
