@@ -143,7 +143,8 @@ class DpBalancer:
         ex = self.exchange
         lengths = wire.lengths(samples)
         kept = np.ones(len(samples), dtype=np.int64) if keep is None else np.asarray(keep, dtype=np.int64)
-        group = np.cumsum([i == 0 or s.prompt_ids != samples[i - 1].prompt_ids for i, s in enumerate(samples)])
+        group = np.cumsum([i == 0 or s.prompt_ids != samples[i - 1].prompt_ids for i, s in enumerate(samples)],
+                          dtype=np.int64)  # runs of one prompt, numbered per rank
         meta = ex.allgather(np.column_stack([lengths, kept, group]))  # [n_d, 4] per rank: the only data every rank sees
         every, keeps, groups = [x[:, :2] for x in meta], [x[:, 2].astype(bool) for x in meta], [x[:, 3] for x in meta]
         chunks = _fillable(mini_batches, [len(x) for x in every], ex.size)

@@ -49,7 +49,8 @@ def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
         prompts, responses: ``B`` token id lists each; sample ``b`` is ``prompts[b] + responses[b]``
             (its padded row, :func:`yatt.controller.batch.pack_micro_batches`, has it at 0..L_b-1).
         width: ``T``, the padded rows' width (``>= max L_b``).
-        mode: ``"packed"`` or ``"shared_prompt"`` (samples with equal prompt ids share one copy).
+        mode: ``"packed"`` or ``"shared_prompt"`` (samples with equal prompt ids share a copy of
+            it per document; the documents and the row width ``W`` chosen by cost, above).
     Returns:
         ``packed_ids`` long ``[R, W]`` (0 in padding), ``packed_positions`` long ``[R, W]`` (position
         id of each token in its sample), ``packed_segments`` int32 ``[R, W]`` (document number in
