@@ -64,22 +64,14 @@ bool has_avx2() {
 }
 #endif
 
-// memcpy with non-temporal stores for the aligned body of dst on AVX2 CPUs; elsewhere plain
-// memcpy (the caches' read for ownership stays). The caller fences (copy_span) before its stores
-// count as done.
-void stream_copy(char* dst, const char* src, int64_t n) {
+// One run of n bytes: in a streamed plan, a run of >= kStreamRowBytes on an AVX2 CPU goes through
+// non-temporal stores; everything else is memcpy (the caches' read for ownership stays). The
+// caller fences (copy_span) before streamed stores count as done.
+void copy_run(char* dst, const char* src, int64_t n, bool stream) {
 #if defined(YATT_AVX2_STREAM)
-  if (has_avx2()) return stream_copy_avx2(dst, src, n);
+  if (stream && n >= kStreamRowBytes && has_avx2()) return stream_copy_avx2(dst, src, n);
 #endif
   std::memcpy(dst, src, static_cast<size_t>(n));
-}
-
-// One run of n bytes: streamed in a streamed plan when it is long enough, else memcpy.
-void copy_run(char* dst, const char* src, int64_t n, bool stream) {
-  if (stream && n >= kStreamRowBytes)
-    stream_copy(dst, src, n);
-  else
-    std::memcpy(dst, src, static_cast<size_t>(n));
 }
 
 // Copy bytes [begin, end) of block `blk`'s own byte space (row-major over its rows).
