@@ -1,6 +1,6 @@
 """Resharding benchmark: the copy kernel against a plain copy of the same bytes, in one run.
 
-    python bench/reshard.py [--repeats 5] [--threads 0] [--demo-run runs/grpo_smollm2]
+    python bench/reshard.py [--repeats 11] [--threads 0] [--demo-run runs/grpo_smollm2]
 
 Cases (bf16, CPU): the demo model SmolLM2-135M (its 3 KV heads allow t, i in {1, 3}: t=3 -> i=1
 and t=1 -> i=3) and a synthetic Llama of about 1 GB (16 heads / 4 KV heads, hidden 2048, MLP
@@ -10,9 +10,11 @@ t training shards in memory, then times producing *every* inference rank's HF te
 the same number of threads torch uses. References: one contiguous buffer of the same size
 copied by ``torch.Tensor.copy_`` (torch's own multi-threaded copy) and by the kernel as a single
 block (threaded ``memcpy``). All destinations are allocated and touched before timing, so the
-numbers compare copying, not page faults. Times are medians
-of ``--repeats`` runs after one warm-up run. Prints GB/s per case; ``ratio`` is reshard
-bandwidth over the faster reference; the final line is
+numbers compare copying, not page faults. The three run in ``--repeats`` rounds after one
+warm-up round, each round calling each once (``timing.interleaved_times``). Prints GB/s per case
+(medians over the rounds); ``ratio`` is the median over the rounds of the reshard's bandwidth
+over the faster reference *in the same round*, so a shared machine's drifting load (the same
+copy ran at 9 and at 18.7 GB/s in runs minutes apart) falls on both sides. The final line is
 
     reshard_vs_memcpy=<min over cases of ratio>
 
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from timing import median_time
+from timing import interleaved_times
 
 from yatt.reshard import copy_blocks, megatron_params, plan_buckets, run_copies
 from yatt.reshard.kernel import CopyProgram
@@ -105,10 +107,10 @@ def bench_case(cfg: dict, hf: dict[str, torch.Tensor], t: int, i: int, repeats: 
     def memcpy():  # the same bytes as one contiguous block: threaded memcpy
         run_copies([([src], dst, whole)], threads)
 
-    t_reshard = median_time(reshard, repeats)
-    t_torch, t_memcpy = median_time(torch_copy, repeats), median_time(memcpy, repeats)
-    return dict(gb=nbytes / 1e9, reshard=nbytes / t_reshard / 1e9, torch=nbytes / t_torch / 1e9,
-                memcpy=nbytes / t_memcpy / 1e9, ratio=min(t_torch, t_memcpy) / t_reshard)
+    times = interleaved_times({"reshard": reshard, "torch": torch_copy, "memcpy": memcpy}, repeats)
+    gbs = {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    ratio = statistics.median(min(a, b) / r for r, a, b in zip(times["reshard"], times["torch"], times["memcpy"]))
+    return dict(gb=nbytes / 1e9, **gbs, ratio=ratio)
 
 
 def sync_share(run_dir: Path) -> str:
@@ -123,7 +125,7 @@ def sync_share(run_dir: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: torch.get_num_threads())")
     ap.add_argument("--demo-run", type=Path, default=None, help="a finished demo run directory")
     args = ap.parse_args()

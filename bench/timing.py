@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +31,23 @@ def median_time(fn, repeats: int, warmup: bool = True, barrier=None) -> float:
     if warmup:
         once()
     return statistics.median(once() for _ in range(repeats))
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of ``fns`` in ``repeats`` rounds, after one untimed round. Every round calls
+    each function once, in an order rotated by one each round, so a ratio of two functions taken
+    within a round compares them under the same state of a shared machine (its load drifts over
+    seconds; timing one function's repeats after another's put that drift into their ratio)."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def run_job(np_: int, args: list[str], out: Path, name: str) -> tuple[list[dict], float]:
