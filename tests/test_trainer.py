@@ -50,6 +50,33 @@ def test_cpu_layer_version_pin_and_idempotence(world1, monkeypatch):
         megatron_cpu.apply()
 
 
+def test_cpu_layer_clips_gradients_in_place(world1):
+    """Megatron's clip by total norm, through the CPU layer's in-place scaling, scales every
+    gradient by ``max_norm / (norm + 1e-6)`` in place (same storage), and leaves them alone
+    under the norm; two distinct lists are still a copy ``dst = src * scale``."""
+    from megatron.core.optimizer import clip_grads
+
+    from yatt.trainer import megatron_cpu
+
+    megatron_cpu.apply()
+    assert clip_grads.multi_tensor_scale_impl is megatron_cpu._scale_in_place
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 300, 1)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    before, storage = [p.grad.clone() for p in params], [p.grad.data_ptr() for p in params]
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=4.0)
+    for p, g, ptr in zip(params, before, storage):
+        torch.testing.assert_close(p.grad, g * (1.0 / (4.0 + 1e-6)), rtol=0, atol=0)
+        assert p.grad.data_ptr() == ptr
+    unclipped = [p.grad.clone() for p in params]
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=0.5)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, unclipped))
+    src, dst = [torch.full((3,), 2.0)], [torch.zeros(3)]
+    megatron_cpu._scale_in_place(0, None, [src, dst], 0.5)
+    assert torch.equal(dst[0], torch.ones(3)) and torch.equal(src[0], torch.full((3,), 2.0))
+
+
 def test_cpu_layer_tiny_gpt_trains_one_step(world1):
     """Megatron's own stack (GPTModel, DDP, optimizer, schedule) runs a step on CPU."""
     import torch.nn.functional as F

@@ -24,6 +24,9 @@ removed); the feature that first needs it is in brackets:
    functions run* (a ``TorchFunctionMode``).
 7. ``torch.cuda.synchronize`` is a no-op [pipeline-parallel p2p].
 
+One more change is for speed, not needed to run: gradient clipping scales the gradients in place
+with one foreach multiply (:func:`_scale_in_place`) instead of Megatron's Apex-less fallback.
+
 Redirects 1, 2, 3 and 7 replace process-global ``torch`` functions; without CUDA these can only
 raise, so code that checks ``torch.cuda.is_available()`` first (vLLM, transformers) is
 unaffected. Through redirect 2 Megatron's RNG tracker forks the global CPU generator:
@@ -104,6 +107,20 @@ def _with_cuda_type_names(fn):
     return wrapper
 
 
+def _scale_in_place(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """Megatron's ``multi_tensor_scale`` (``dst = src * scale`` over two tensor lists) for
+    ``clip_grad_by_total_norm_fp32``, which passes one list as both. That case is one in-place
+    ``torch._foreach_mul_``: Megatron's fallback without Apex (``local_multi_tensor_scale``)
+    allocates each product and copies it back. 128M fp32 gradients in 212 tensors, one thread,
+    2026-12-03 on the 2-core dev machine: 0.04 s against 0.16-0.18 s per clipped step."""
+    src, dst = tensor_lists
+    if src is dst or all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        for s, d in zip(src, dst):
+            d.copy_(s * scale)
+
+
 def _check_version() -> None:
     installed = version("megatron-core")
     if installed != MEGATRON_CORE_VERSION:
@@ -153,6 +170,7 @@ def apply() -> bool:
     # 5. clip grads asserts CUDA grads (optimizer.optimizer imported it by name)
     clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+    clip_grads.multi_tensor_scale_impl = _scale_in_place  # speed only: the clip's scaling in place
     # 6. optimizers classify params by CUDA type names
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
