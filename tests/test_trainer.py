@@ -75,6 +75,7 @@ def test_cpu_layer_clips_gradients_in_place(world1):
     src, dst = [torch.full((3,), 2.0)], [torch.zeros(3)]
     megatron_cpu._scale_in_place(0, None, [src, dst], 0.5)
     assert torch.equal(dst[0], torch.ones(3)) and torch.equal(src[0], torch.full((3,), 2.0))
+    megatron_cpu._scale_in_place(0, None, [[], []], 0.5)  # no gradients on this rank: nothing to do
 
 
 def test_cpu_layer_tiny_gpt_trains_one_step(world1):
