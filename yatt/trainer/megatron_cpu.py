@@ -113,14 +113,15 @@ def _scale_in_place(chunk_size, noop_flag, tensor_lists, scale) -> None:
     ``torch._foreach_mul_``: Megatron's fallback without Apex (``local_multi_tensor_scale``)
     allocates each product and copies it back. 128M fp32 gradients in 212 tensors, one thread,
     2026-12-03 on the 2-core dev machine: 0.04 s against 0.16-0.18 s per clipped step."""
+    from megatron.core.utils import local_multi_tensor_scale
+
     src, dst = tensor_lists
     if not dst:  # a rank whose stage holds no gradients
         return
     if src is dst or all(s is d for s, d in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
     else:
-        for s, d in zip(src, dst):
-            d.copy_(s * scale)
+        local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
 
 
 def _check_version() -> None:
