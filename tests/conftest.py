@@ -229,6 +229,7 @@ class DemoRun:
 
     out: Path
     log: str
+    shm_left: set[Path]  # MPICH /dev/shm files the run created and left behind
 
 
 @pytest.fixture(scope="session")
@@ -238,7 +239,8 @@ def demo_run(tmp_path_factory) -> DemoRun:
     ``tests/mpi/planted_warnings.py``, which runs ``yatt.launch.main`` unchanged and then plants two
     warnings that need action (the run's metrics and files are those of ``python -m yatt.launch``)."""
     out = tmp_path_factory.mktemp("demo") / "ref"
+    before = _mpich_segments()
     code = wait_job(launch_job(out, "trainer.total_steps=2", script="tests/mpi/planted_warnings.py"))
     log = (out.parent / "ref.log").read_text()
     assert code == 0, log[-4000:]
-    return DemoRun(out, log)
+    return DemoRun(out, log, _mpich_segments() - before)

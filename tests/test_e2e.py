@@ -57,6 +57,7 @@ def _check_run(out, log: str, steps: int, stages: int = 1, dynamic: bool = False
 
 def test_data_parallel_demo_run_writes_finite_metrics(demo_run):
     _check_run(demo_run.out, demo_run.log, steps=2)
+    assert not demo_run.shm_left, demo_run.shm_left  # MPI finalized before the fast exit
 
 
 def test_api_run_on_a_pipeline_with_dynamic_sampling_writes_finite_metrics(mpirun, tmp_path):

@@ -249,14 +249,18 @@ def exit_process(code: int) -> NoReturn:
     After a job, the interpreter's teardown (every module of torch, vLLM, Megatron-Core and
     transformers: ~0.8 M objects) took ~4 s per rank on the dev machine (2026-12-02) and frees
     nothing the OS does not free at exit. What a normal exit does that matters still happens, in
-    its order: non-daemon threads are joined, the ``atexit`` handlers run (logging's flush,
-    mpi4py's ``MPI_Finalize``), stdout and stderr are flushed. Call it only after the job's files
-    are closed (:func:`main` returns after that).
+    its order: non-daemon threads are joined, the ``atexit`` handlers run (logging's flush), MPI is
+    finalized after a clean job (mpi4py would do it at C-level exit; without it MPICH's 2 MB
+    ``/dev/shm`` segment stayed behind after every run), stdout and stderr are flushed. Call it
+    only after the job's files are closed (:func:`main` returns after that).
     """
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes at C-level exit, which os._exit skips
+    if code == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # else MPICH's /dev/shm segment outlives the job (after a failure: no wait on peers)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
