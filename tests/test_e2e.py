@@ -57,6 +57,7 @@ def _check_run(out, log: str, steps: int, stages: int = 1, dynamic: bool = False
 
 def test_data_parallel_demo_run_writes_finite_metrics(demo_run):
     _check_run(demo_run.out, demo_run.log, steps=2)
+    assert demo_run.log.count("DP gradient sum: shared memory over 2 ranks") == 1  # rank 0 logs it
     assert not demo_run.shm_left, demo_run.shm_left  # MPI finalized before the fast exit
 
 

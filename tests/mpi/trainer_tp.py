@@ -375,6 +375,28 @@ def check_critic(rank: int, tp: int, pp: int) -> None:
     packed_vs_padded(critic, rank, f"critic TP={tp} PP={pp}")
 
 
+def check_shared_sum_equals_all_reduce(policy, rank: int, group) -> None:
+    """The policy's shared-memory DP sum (yatt.trainer.grad_sum) gives gloo's all-reduce bit for
+    bit on random gradients, in the buffers the parameters' ``main_grad`` views read."""
+    import torch.distributed as dist
+
+    buffers = policy.model.buffers
+    gen = torch.Generator().manual_seed(100 + rank)
+    for b in buffers:
+        b.grad_data.copy_(torch.randn(b.grad_data.shape, generator=gen))
+    expect = [b.grad_data.clone() for b in buffers]
+    for e in expect:
+        dist.all_reduce(e, group=group)
+    policy.grad_sum()
+    for b, e in zip(buffers, expect):
+        assert torch.equal(b.grad_data, e), "shared-memory sum differs from the all-reduce"
+    param = next(p for p in policy.module.parameters() if p.requires_grad)
+    start = buffers[0].param_index_map[param][0]
+    assert param.main_grad.data_ptr() == buffers[0].grad_data[start:].data_ptr(), "main_grad left the buffer"
+    policy.model.zero_grad_buffer()
+    print(f"[rank {rank}] DP shared-memory gradient sum equals gloo's all-reduce", flush=True)
+
+
 def check_dp(rank: int) -> None:
     """DP=2 over the world on a tiny Llama in SmolLM2's layout."""
     import tempfile
@@ -387,6 +409,8 @@ def check_dp(rank: int) -> None:
         hf = save_tiny_hf(tmp, "llama", vocab_size=99, tied=True, **SMOL_SHAPE)  # same seed: same model on both
         policy = MegatronPolicy(tmp, tp=1, optim=OptimConfig(lr=1e-5, total_steps=2))
     assert policy.dp == 2
+    assert policy.grad_sum is not None, "DP ranks on one machine under mpirun: the shared-memory sum"
+    check_shared_sum_equals_all_reduce(policy, rank, None)
     mbs = padded_micro_batches([[14, 9], [11, 6]], vocab=99, seed=2)  # rank r trains on mbs[r] only
     ref = hf_grad_norm(hf, mbs, sum_logprob_loss)
     t0 = time.time()
@@ -418,7 +442,8 @@ def check_dp_subgroup(rank: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             hf = save_tiny_hf(tmp, "qwen2", vocab_size=100, tied=False)  # same seed: same model on both
             policy = MegatronPolicy(tmp, tp=1, optim=OptimConfig(lr=1e-3), dp_group=group)
-        assert policy.dp == 2
+        assert policy.dp == 2 and policy.grad_sum is not None
+        check_shared_sum_equals_all_reduce(policy, rank, group)
         gen = torch.Generator().manual_seed(3)
         mbs = [{"input_ids": torch.randint(0, 100, (2, 10), generator=gen), "mask": torch.ones(2, 10)} for _ in range(2)]
         ref = hf_grad_norm(hf, mbs, sum_logprob_loss)

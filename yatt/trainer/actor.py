@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from yatt.dist import mpi_comm
 from yatt.trainer import megatron_cpu, packing
+from yatt.trainer.grad_sum import SharedGradSum
 from yatt.trainer.model import build_gpt_model
 
 _PADDED_LOGIT = -1e30  # logit of vocab padding rows: exp() underflows to exactly 0
@@ -322,7 +324,7 @@ class MegatronPolicy:
             from megatron.core.transformer.module import Float16Module
 
             self.model = Float16Module(self.config, self.model)
-        self.optimizer = self.scheduler = None
+        self.optimizer = self.scheduler = self.grad_sum = None
         self._syncs: dict = {}  # bucket size -> BucketedSync (live parameter references, no copies)
         if optim is None:
             self.model.requires_grad_(False)
@@ -348,6 +350,12 @@ class MegatronPolicy:
         else:  # TP=1, PP=1: the DP sum of the grad buffers is all that finalising does
             self.config.finalize_model_grads_func = (
                 lambda model, num_tokens=None, **kw: _all_reduce_grad_buffers(model, self.dp_group))
+        if self.tp * self.pp == 1 and self.dp > 1:  # DP ranks on one machine: sum through shared memory
+            ranks = dist.get_process_group_ranks(self.dp_group) if self.dp_group is not None else list(
+                range(dist.get_world_size()))
+            self.grad_sum = SharedGradSum.build([self.model], mpi_comm(ranks))
+            if self.grad_sum is not None:
+                self.config.finalize_model_grads_func = self.grad_sum
         with _world_is(self.dp_group):
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
