@@ -40,8 +40,8 @@ class SharedGradSum:
     a shared window, keeping the values. Calling it is collective over the DP ranks.
     """
 
-    def __init__(self, comm, buffers: list, windows: list, views: list[list[torch.Tensor]]):
-        self.comm, self.buffers, self.windows, self.views = comm, buffers, windows, views
+    def __init__(self, comm, windows: list, views: list[list[torch.Tensor]]):
+        self.comm, self.windows, self.views = comm, windows, views  # windows: kept alive with the views
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     @classmethod
@@ -78,7 +78,7 @@ class SharedGradSum:
             node.Free()
         log.info("DP gradient sum: shared memory over %d ranks (%.2f GB per rank)", comm.Get_size(),
                  need / comm.Get_size() / 1e9)
-        return cls(comm, buffers, windows, views)
+        return cls(comm, windows, views)
 
     def __call__(self, *args, **kwargs) -> None:
         """Sum every buffer over the DP ranks, in place (a ``finalize_model_grads_func``: its
