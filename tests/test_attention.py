@@ -24,14 +24,14 @@ def _pair(attention_dropout=0.0):
 
 
 def _packed_mask() -> tuple[torch.Tensor, int]:
-    """Megatron's mask of shared-prompt rows with two documents, branches and padding; (mask, width)."""
+    """Megatron's dense mask of a shared-prompt row with two documents and branches; (mask, width)."""
     lay = pack_rows([[5, 6, 7], [5, 6, 7], [8, 9]], [[1, 2], [3], [4, 4, 4]], width=5, mode="shared_prompt")
     return attention_mask(lay["packed_segments"], lay["packed_branches"]), lay["packed_ids"].shape[1]
 
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_attention_equals_megatrons_outputs_and_grads(world1, masked):
-    """Causal rows (no mask) and packed rows with branches and padding (an explicit mask):
+    """Causal rows (no mask) and a packed row with two documents and branches (an explicit mask):
     outputs and the grads of q, k, v equal Megatron's path to 1e-5, in fp32."""
     local, fused = _pair()
     mask, width = _packed_mask() if masked else (None, 12)
@@ -66,3 +66,32 @@ def test_attention_dropout_in_training_takes_megatrons_path(world1):
     assert torch.equal(outs[0], outs[1]) and (outs[0] == 0).any()  # dropped probabilities
     local.eval(), fused.eval()
     torch.testing.assert_close(fused(q, k, v, None), local(q, k, v, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["packed", "shared_prompt"])
+def test_document_attention_equals_megatrons_on_the_dense_mask(world1, mode):
+    """A packed row's documents, attended one by one through the plan (trunks causal, branches
+    against their trunk; an empty response left out): outputs and the grads of q, k, v equal
+    Megatron's attention over the whole row with the dense block mask, to 1e-5 in fp32; so does
+    the fallback to Megatron's path (e.g. attention dropout), which builds that mask from the plan."""
+    from yatt.trainer.attention import DocumentAttention
+
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [5, 6, 7], [1]]
+    lay = pack_rows(prompts, [[1, 2], [3], [4, 4, 4], [], [2, 3, 4, 5]], width=7, mode=mode)
+    plan = DocumentAttention.of(lay)
+    mask = attention_mask(lay["packed_segments"], lay["packed_branches"])
+    local, fused = _pair()
+    S = lay["packed_ids"].shape[1]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(S, 1, h, 16, generator=g) for h in (4, 2, 2))
+    out_grad = torch.randn(S, 1, 64, generator=g)
+    results = []
+    for module, kwargs in ((local, {"attention_mask": mask}), (fused, {"attention_mask": None, "packed_seq_params": plan})):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = module(*inputs, **kwargs)
+        out.backward(out_grad)
+        results.append([out.detach()] + [x.grad for x in inputs])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    fused._fused = lambda *a: False  # a case the fused kernel does not cover: Megatron's path
+    torch.testing.assert_close(fused(q, k, v, None, packed_seq_params=plan), results[0][0], atol=1e-5, rtol=1e-5)

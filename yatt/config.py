@@ -356,9 +356,9 @@ class TrainerConfig(_Section):
     pp: int = Field(1, gt=0, description="pipeline stages (must divide the layers); DP = world / (tp * pp)")
     micro_batch_tokens: int = Field(4096, gt=0, description="token budget of one micro-batch")
     packing: Literal["padded", "packed", "shared_prompt"] = Field("shared_prompt",
-        description="what the model body runs per micro-batch: padded rows; packed rows (several samples per row, "
-                    "attention kept inside each); or packed rows with each prompt once, followed by its responses "
-                    "in the micro-batch (each attending to the prompt and itself). Same logprobs to fp32 rounding")
+        description="what the model body runs per micro-batch: padded rows; one packed row without padding (the "
+                    "samples back to back, attention kept inside each); or that row with each prompt once, followed by "
+                    "its responses in the micro-batch (each attending to the prompt and itself). Same logprobs to fp32 rounding")
     recompute: Literal["none", "full"] = Field("none",
         description="activation recomputation: full keeps only each transformer layer's input in the forward pass "
                     "and recomputes the layer in the backward pass (less memory, one more forward pass per micro-batch)")

@@ -75,7 +75,7 @@ def pack_micro_batches(samples: list[Sample], groups, pad_id: int, packing: str 
             mb["body_tokens"] = torch.tensor([sum(s.length for s in rows), ids.numel()])
         else:
             mb.update(pack_rows([s.prompt_ids for s in rows], [s.response_ids for s in rows], width, packing))
-            mb["body_tokens"] = torch.tensor([int((mb["packed_segments"] >= 0).sum()), mb["packed_ids"].numel()])
+            mb["body_tokens"] = torch.tensor([mb["packed_ids"].numel()] * 2)  # no padding
         out.append(mb)
     return out
 

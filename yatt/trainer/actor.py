@@ -371,26 +371,28 @@ class MegatronPolicy:
 
     # ---- forward -------------------------------------------------------------------------
     def _forward_step(self, loss_fn, data_iterator, model):
+        from yatt.trainer.attention import DocumentAttention
+
         device = self._device
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         ids = mb["input_ids"]
         select = _scored_positions(mb)
         hooks = []
-        if _runs_packed(mb):  # the body runs packed rows (yatt.trainer.packing)
+        if _runs_packed(mb):  # the body runs one packed row (yatt.trainer.packing)
             ids, position_ids = mb["packed_ids"], mb["packed_positions"]
-            mask = packing.attention_mask(mb["packed_segments"], mb["packed_branches"])
+            plan = DocumentAttention.of(mb)
             hooks.append(self.module.rotary_pos_emb.register_forward_hook(packing.rope_at_positions(position_ids)))
-            flat = mb["packed_index"][select]  # the scored positions in the packed rows
-            hidden_at = (flat // ids.shape[1], flat % ids.shape[1])
+            flat = mb["packed_index"][select]  # the scored positions in the packed row
+            hidden_at = (torch.zeros_like(flat), flat)
         else:
-            position_ids, mask, hidden_at = torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None, select
+            position_ids, plan, hidden_at = torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None, select
         if select is not None and self.last_stage:  # the output layer runs on scored positions only
             hooks.append(self.module.output_layer.register_forward_pre_hook(partial(_select_hidden, hidden_at),
                                                                             with_kwargs=True))
         try:
             # last stage: logits [B, T, Vp/tp], or [1, N, Vp/tp] when selected; other stages:
             # hidden states for the next stage (input_ids are read by the first stage only)
-            logits = model(ids, position_ids, mask)
+            logits = model(ids, position_ids, None, packed_seq_params=plan)
         finally:
             for hook in hooks:
                 hook.remove()

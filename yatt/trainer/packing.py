@@ -1,25 +1,24 @@
-"""Padding-free micro-batches: several sequences per trainer row, attention kept inside each.
+"""Padding-free micro-batches: all of a micro-batch's tokens in one row, attention kept inside each document.
 
 A micro-batch reaches the trainer as right-padded ``[B, T]`` rows (what the losses read). With
-packing, the model body instead runs on packed rows ``[R, W]``: each row holds several
-*documents* back to back, each with its own position ids (restarting at 0) and a block-diagonal
-causal attention mask, so a token sees exactly the tokens it would see in its padded row, and
-every logprob equals the padded one (to fp32 rounding). Two layouts (``trainer.packing``):
+packing, the model body instead runs one packed row ``[1, S]`` holding exactly the micro-batch's
+distinct tokens (no padding): several *documents* back to back, each with its own position ids
+(restarting at 0). Two layouts (``trainer.packing``):
 
 - ``packed``: a document is one sample (prompt + response).
 - ``shared_prompt``: a document is one prompt followed by the responses of the samples in the
   micro-batch that share it: each response token attends to the prompt and to its own response
-  only, its position ids continue from the prompt. The prompt runs once instead of once per
-  sample, or once per document when a group's responses are split over several.
+  only, its position ids continue from the prompt. The prompt runs once instead of once per sample.
 
-Documents are placed by first-fit decreasing into rows as wide as the widest document, not into
-one long row. The attention runs on the whole row (an explicit mask keeps each token inside its
-document), so a row of width ``W`` costs about ``1 + W / ATTENTION_WIDTH`` times the rest of the
-model's work per position. With ``shared_prompt`` the width is chosen by that cost: for each
-candidate cap (the padded width, its multiples, each group's width), every group's responses are
-split first-fit decreasing into documents of at most the cap, the documents packed into rows,
-and the layout with the least ``R * W * (1 + W / ATTENTION_WIDTH)`` kept. Short groups end up one
-document each; long ones take another copy of their prompt rather than one very wide row.
+The linear layers run on the ``S`` real tokens. The attention does not run on the whole row: the
+core attention (:class:`yatt.trainer.attention.SdpaAttention`, given a
+:class:`~yatt.trainer.attention.DocumentAttention`)
+gathers each document's *trunk* (the sample in ``packed``, the prompt in ``shared_prompt``) into
+a batch of causal rows, and each response (a *branch*) with its prompt's keys into a second
+batch, so a response's attention costs ``n * (p + n)`` scores as in its own padded row, and a
+group's prompt ``p * p`` once. Every logprob equals the padded one (to fp32 rounding). This is
+what the THD layout of Transformer Engine's attention does on GPU (variable-length documents in
+one row, ``cu_seqlens``), with a shared prompt as one more case.
 
 Source of the idea: padding-free / packed sequences as verl (``use_remove_padding``), OpenRLHF
 (``packing_samples``) and NeMo-RL (sequence packing) run them; shared-prompt attention as in
@@ -28,38 +27,35 @@ Source of the idea: padding-free / packed sequences as verl (``use_remove_paddin
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 import torch
 
 MODES = ("padded", "packed", "shared_prompt")
-# The row width at which a position's attention (against the whole row, masked) costs as much as
-# the rest of its forward and backward pass. Measured for SmolLM2-135M (hidden 576, torch's fused
-# attention, one thread, 2026-12-03, the dev machine): 30 layers of attention over 7 rows x 164
-# took 0.88 s against ~9.5 s for the rest of the update, ~0.8 ms against ~8.3 ms per position,
-# linear in the width. Wider models have more work per position than per score, so for them it
-# is an underestimate, which errs towards narrower rows.
-ATTENTION_WIDTH = 1700
 
 
 def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], width: int,
               mode: str = "packed") -> dict[str, torch.Tensor]:
-    """Lay out a micro-batch's samples as packed rows.
+    """Lay out a micro-batch's samples as one packed row and its documents' attention.
 
     Args:
         prompts, responses: ``B`` token id lists each; sample ``b`` is ``prompts[b] + responses[b]``
             (its padded row, :func:`yatt.controller.batch.pack_micro_batches`, has it at 0..L_b-1).
         width: ``T``, the padded rows' width (``>= max L_b``).
-        mode: ``"packed"`` or ``"shared_prompt"`` (samples with equal prompt ids share a copy of
-            it per document; the documents and the row width ``W`` chosen by cost, above).
+        mode: ``"packed"`` or ``"shared_prompt"`` (samples with equal prompt ids share one copy
+            of it); documents in order of their first sample, a document's responses in sample order.
     Returns:
-        ``packed_ids`` long ``[R, W]`` (0 in padding), ``packed_positions`` long ``[R, W]`` (position
-        id of each token in its sample), ``packed_segments`` int32 ``[R, W]`` (document number in
-        the row, -1 for padding), ``packed_branches`` int32 ``[R, W]`` (0: seen by every later
-        token of its document, the prompt in ``shared_prompt`` and everything in ``packed``;
-        k > 0: only by later tokens of branch k, the response of one sample), and
-        ``packed_index`` long ``[B, T]``: the flat position ``r * W + c`` in the packed rows of
-        padded token ``(b, t)`` (-1 for padding, and for every token of a sample with an empty
-        response: it has nothing to score).
+        ``packed_ids`` long ``[1, S]`` (``S`` the distinct tokens), ``packed_positions`` long
+        ``[1, S]`` (position id of each token in its sample), ``packed_segments`` int32 ``[1, S]``
+        (document number), ``packed_branches`` int32 ``[1, S]`` (0: the trunk, seen by every later
+        token of its document; k > 0: only by later tokens of branch k, the response of one
+        sample in ``shared_prompt``), ``packed_index`` long ``[B, T]`` (the position in the row of
+        padded token ``(b, t)``; -1 for padding, and for every token of a sample with an empty
+        response: it has nothing to score; when no sample has a response the row is one
+        placeholder token, id 0), and the attention plan :meth:`yatt.trainer.attention.DocumentAttention.of`
+        reads: ``packed_trunk`` long ``[D, P]`` (each document's trunk positions, 0 past its end),
+        ``packed_branch_q`` long ``[N, Q]`` (each branch's positions), ``packed_branch_k`` long
+        ``[N, P + Q]`` (its trunk's positions, then its own), ``packed_branch_lens`` long ``[N, 2]``
+        (trunk and branch length) and ``packed_gather`` long ``[S]`` (each token's row in the
+        attention output, trunk rows first, flattened).
     Raises:
         ValueError: unknown mode, ``B`` mismatch, or a sample longer than ``width``.
     """
@@ -67,96 +63,88 @@ def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
         raise ValueError(f"packing mode {mode!r}: expected one of {MODES[1:]}")
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
-    docs: dict = {}  # document key -> the samples it holds (sample b's own key with "packed")
+    docs: dict = {}  # document key -> its samples (sample b's own key with "packed")
     for b, (p, r) in enumerate(zip(prompts, responses)):
         if len(p) + len(r) > width:
             raise ValueError(f"sample {b} has {len(p) + len(r)} tokens, wider than its row ({width})")
         if r:  # an empty response has nothing to score: its sample is left out (index -1)
             docs.setdefault(tuple(p) if mode == "shared_prompt" else b, []).append(b)
-    groups = [(list(prompts[same[0]]), sorted(same, key=lambda b: -len(responses[b]))) for same in docs.values()]
-    resp = [len(r) for r in responses]
-    whole = [len(p) + sum(resp[b] for b in same) for p, same in groups]
-    caps = {width} if mode == "packed" else {width, *whole, *range(2 * width, max(whole, default=0), width)}
-    doc_list, sizes, rows, W = min((_layout(groups, resp, cap) for cap in sorted(caps)),
-                                   key=lambda lay: len(lay[2]) * lay[3] * (1 + lay[3] / ATTENTION_WIDTH))
-    R = max(len(rows), 1)
-    ids = torch.zeros(R, W, dtype=torch.long)
-    positions = torch.zeros(R, W, dtype=torch.long)
-    segments = torch.full((R, W), -1, dtype=torch.int32)
-    branches = torch.zeros(R, W, dtype=torch.int32)
+    shared = mode == "shared_prompt"
+    ids, positions, segments, branches = [], [], [], []
+    trunks, branch = [], []  # trunk positions per document; (trunk number, positions) per branch
     index = torch.full((len(prompts), width), -1, dtype=torch.long)
-    for r, row in enumerate(rows):
-        c = 0
-        for seg, d in enumerate(row):
-            prompt, members = doc_list[d]
-            p = len(prompt)
-            ids[r, c:c + p] = torch.tensor(prompt, dtype=torch.long)
-            positions[r, c:c + p] = torch.arange(p)
-            segments[r, c:c + p] = seg
-            for b in members:
-                index[b, :p] = r * W + c + torch.arange(p)
-            c += p
-            for k, b in enumerate(members, start=1):
-                n = len(responses[b])
-                ids[r, c:c + n] = torch.tensor(list(responses[b]), dtype=torch.long)
-                positions[r, c:c + n] = torch.arange(p, p + n)
-                segments[r, c:c + n] = seg
-                branches[r, c:c + n] = k if mode == "shared_prompt" else 0
-                index[b, p:p + n] = r * W + c + torch.arange(n)
-                c += n
-    return {"packed_ids": ids, "packed_positions": positions, "packed_segments": segments,
-            "packed_branches": branches, "packed_index": index}
-
-
-def _layout(groups: list[tuple[list[int], list[int]]], resp: list[int], cap: int):
-    """Documents of at most ``cap`` tokens and their rows: ``(documents [(prompt, samples)], their
-    sizes, rows [document indices], row width)``. Each group's responses (``groups``: prompt,
-    samples longest first) go first-fit into documents that each start with the prompt; the
-    documents go first-fit decreasing into rows as wide as the widest."""
-    doc_list, sizes = [], []
-    for prompt, members in groups:
-        first = len(doc_list)
+    for seg, members in enumerate(docs.values()):
+        trunk = list(prompts[members[0]]) + ([] if shared else list(responses[members[0]]))
+        start = len(ids)
+        trunks.append(range(start, start + len(trunk)))
+        ids += trunk
+        positions += range(len(trunk))
+        segments += [seg] * len(trunk)
+        branches += [0] * len(trunk)
+        p = len(prompts[members[0]])
         for b in members:
-            d = next((d for d in range(first, len(doc_list)) if sizes[d] + resp[b] <= cap), None)
-            if d is None:
-                doc_list.append((prompt, []))
-                sizes.append(len(prompt))
-                d = len(doc_list) - 1
-            doc_list[d][1].append(b)
-            sizes[d] += resp[b]
-    for _, members in doc_list:
-        members.sort()  # a document's responses in sample order
-    W = max(sizes, default=1)
-    rows: list[list[int]] = []  # document indices per row
-    free: list[int] = []
-    for d in sorted(range(len(doc_list)), key=lambda d: -sizes[d]):  # first-fit decreasing
-        r = next((r for r, f in enumerate(free) if f >= sizes[d]), None)
-        if r is None:
-            rows.append([])
-            free.append(W)
-            r = len(rows) - 1
-        rows[r].append(d)
-        free[r] -= sizes[d]
-    return doc_list, sizes, rows, W
+            index[b, :p] = torch.arange(start, start + p)
+        if not shared:
+            index[members[0], p:len(trunk)] = torch.arange(start + p, start + len(trunk))
+            continue
+        for k, b in enumerate(members, start=1):
+            n, at = len(responses[b]), len(ids)
+            branch.append((len(trunks) - 1, range(at, at + n)))
+            ids += responses[b]
+            positions += range(p, p + n)
+            segments += [seg] * n
+            branches += [k] * n
+            index[b, p:p + n] = torch.arange(at, at + n)
+    if not ids:  # no sample has a response: one placeholder token, so the model still runs a row
+        ids, positions, segments, branches, trunks = [0], [0], [0], [0], [range(1)]
+    row = {"packed_ids": ids, "packed_positions": positions}
+    out = {k: torch.tensor([v], dtype=torch.long) for k, v in row.items()}
+    out.update(packed_segments=torch.tensor([segments], dtype=torch.int32),
+               packed_branches=torch.tensor([branches], dtype=torch.int32), packed_index=index)
+    out.update(_attention_plan(trunks, branch, len(ids)))
+    return out
+
+
+def _attention_plan(trunks: list[range], branch: list[tuple[int, range]], size: int) -> dict[str, torch.Tensor]:
+    """The gather indices of :func:`pack_rows`' attention plan (see there)."""
+    P = max((len(t) for t in trunks), default=0)
+    Q = max((len(r) for _, r in branch), default=0)
+    trunk = torch.zeros(len(trunks), P, dtype=torch.long)
+    gather = torch.zeros(size, dtype=torch.long)
+    for d, t in enumerate(trunks):
+        trunk[d, :len(t)] = torch.tensor(t, dtype=torch.long)
+        gather[t.start:t.stop] = torch.arange(d * P, d * P + len(t))
+    branch_q = torch.zeros(len(branch), Q, dtype=torch.long)
+    branch_k = torch.zeros(len(branch), P + Q, dtype=torch.long)
+    lens = torch.zeros(len(branch), 2, dtype=torch.long)
+    base = len(trunks) * P
+    for j, (d, r) in enumerate(branch):
+        positions = torch.tensor(r, dtype=torch.long)
+        branch_q[j, :len(r)] = positions
+        branch_k[j, :P] = trunk[d]
+        branch_k[j, P:P + len(r)] = positions
+        lens[j] = torch.tensor([len(trunks[d]), len(r)])
+        gather[r.start:r.stop] = torch.arange(base + j * Q, base + j * Q + len(r))
+    return {"packed_trunk": trunk, "packed_branch_q": branch_q, "packed_branch_k": branch_k,
+            "packed_branch_lens": lens, "packed_gather": gather}
 
 
 def attention_mask(segments: torch.Tensor, branches: torch.Tensor) -> torch.Tensor:
-    """Megatron-Core's boolean attention mask for packed rows (True = masked out).
+    """Megatron-Core's dense boolean attention mask of a packed row (True = masked out): what
+    :class:`yatt.trainer.attention.DocumentAttention` computes without it, and what Megatron's own
+    attention path gets when the fused kernel does not apply.
 
     Args:
         segments, branches: ``[R, W]`` as :func:`pack_rows` returns them.
     Returns:
         bool ``[R, 1, W, W]``: query ``i`` may attend to key ``j`` iff both are in the same
-        document, ``j <= i``, and ``j``'s branch is 0 or ``i``'s. A padding query attends to itself
-        only (its output is never read; a query that sees no key would make fused attention
-        kernels return NaN or 0).
+        document, ``j <= i``, and ``j``'s branch is 0 or ``i``'s.
     """
     W = segments.shape[1]
     causal = torch.ones(W, W, dtype=torch.bool, device=segments.device).tril_()
     key_seg, key_branch = segments[:, None, :], branches[:, None, :]
-    allowed = ((segments[:, :, None] == key_seg) & (key_seg >= 0) & causal
+    allowed = ((segments[:, :, None] == key_seg) & causal
                & ((key_branch == 0) | (key_branch == branches[:, :, None])))
-    allowed |= torch.eye(W, dtype=torch.bool, device=segments.device) & (segments < 0)[:, :, None]
     return (~allowed).unsqueeze(1)
 
 
