@@ -418,6 +418,21 @@ def test_dp_balance_groups_splits_at_most_ranks_minus_one_group():
     assert plan.costs.sum() == sum(R) + sum(P[G.index(g)] for g in set(G))
 
 
+def test_dp_balance_groups_exchanges_samples_while_that_lowers_the_costliest_rank(monkeypatch):
+    """The local search after the fill (moves and swaps, prompt copies counted) never leaves a
+    costlier top rank than the fill alone, and on the demo's shape (4 groups of 8 on 2 ranks, 200
+    random draws) it brings the ranks within 1% on average, where the fill alone is 2-3% apart."""
+    import yatt.balance as balance
+
+    rng = random.Random(2)
+    cases = [_groups_case(rng, 4, 8) for _ in range(200)]
+    refined = [dp_balance_groups(P, R, G, 2, 2048) for P, R, G in cases]
+    monkeypatch.setattr(balance, "_refine", lambda rank_of, *args: rank_of)
+    filled = [dp_balance_groups(P, R, G, 2, 2048) for P, R, G in cases]
+    assert all(a.rank_cost.max() <= b.rank_cost.max() for a, b in zip(refined, filled))
+    assert np.mean([p.imbalance for p in refined]) < 1.01 < 1.02 < np.mean([p.imbalance for p in filled])
+
+
 def test_dp_balance_groups_bad_arguments():
     with pytest.raises(ValueError, match="group labels"):
         dp_balance_groups([1, 2], [1, 2], [0], 2, 64)

@@ -211,7 +211,9 @@ def dp_balance_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], 
     first and each group's samples in index order, up to an equal share of the remaining cost
     and of the prompt copies later cuts are expected to add (the sample that crosses that line
     joins the rank if that leaves it closer); the group being filled when a rank closes continues
-    on the next rank with another copy of its prompt. So at most ``ranks - 1`` groups are split.
+    on the next rank with another copy of its prompt. Then the costliest rank gives a sample to,
+    or swaps one with, another rank while that lowers the higher of the two costs (prompt copies
+    counted), as long as one such exchange exists (:func:`_refine`).
     The plan of :func:`dp_balance` on ``P + R`` (samples one by one, most prompts copied onto
     every rank) is costed the same way and kept instead when its costliest rank is cheaper (a
     single group over many ranks). Micro-batches: each rank's samples in fill order, cut before a
@@ -254,7 +256,7 @@ def dp_balance_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], 
     group_cost = np.bincount(group, weights=costs, minlength=len(first))
     queue = np.concatenate([np.nonzero(group == g)[0] for g in sorted(range(len(first)), key=lambda g: (-group_cost[g], first[g]))]
                            or [np.zeros(0, np.int64)])  # groups largest first, samples in index order
-    rank_of = _fill_ranks(queue, P, R, group, ranks, float(group_cost.sum()))
+    rank_of = _refine(_fill_ranks(queue, P, R, group, ranks, float(group_cost.sum())), P[first], R, group, ranks)
     kk = dp_balance(P + R, ranks, max_tokens)
     kk_rank = np.empty(n, np.int64)
     kk_rank[kk.order] = np.repeat(np.arange(ranks), np.diff(kk.rank_offsets))
@@ -282,6 +284,72 @@ def dp_balance_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], 
     position[order] = np.arange(n)
     return DpPlan(order, np.asarray(rank_offsets, np.int64), np.asarray(mb_offsets, np.int64),
                   np.asarray(mb_rank_offsets, np.int64), rank_costs(rank_of), costs, position)
+
+
+_SWAP_PAIRS = 1 << 20  # candidate swaps per exchange, above which only moves are tried
+
+
+def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.ndarray, ranks: int,
+            rounds: int | None = None) -> np.ndarray:
+    """Local search on a shared-prompt plan: ``rank_of`` improved in place and returned.
+
+    A rank's cost is its response tokens plus one prompt copy (``prompt[g]`` tokens) per group it
+    holds. Each round, the costliest rank ``a`` tries the other ranks ``b`` from the cheapest up;
+    with the first ``b`` where some exchange lowers ``max(cost_a, cost_b)`` it applies the best
+    one: moving one of ``a``'s samples to ``b``, or swapping one of ``a``'s with one of ``b``'s
+    (all pairs at once, ``O(n_a * n_b)``; moves only above :data:`_SWAP_PAIRS` pairs). Stops when
+    no exchange helps or after ``rounds`` (default ``8 * ranks``) rounds. Integer costs, so every
+    rank derives the same plan.
+    """
+    held = np.zeros((ranks, len(prompt)), np.int64)  # samples of group g on rank r
+    np.add.at(held, (rank_of, group), 1)
+
+    def cost() -> np.ndarray:
+        return np.bincount(rank_of, weights=R, minlength=ranks).astype(np.int64) + (held > 0) @ prompt
+
+    for _ in range(8 * ranks if rounds is None else rounds):
+        c = cost()
+        a = int(np.argmax(c))
+        for b in sorted((r for r in range(ranks) if r != a), key=lambda r: (c[r], r)):
+            if c[b] >= c[a]:
+                break
+            best = _best_exchange(a, b, c, rank_of, prompt, R, group, held)
+            if best is not None:
+                for i, dst in best:
+                    held[rank_of[i], group[i]] -= 1
+                    held[dst, group[i]] += 1
+                    rank_of[i] = dst
+                break
+        else:
+            break
+    return rank_of
+
+
+def _best_exchange(a: int, b: int, c: np.ndarray, rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray,
+                   group: np.ndarray, held: np.ndarray) -> list[tuple[int, int]] | None:
+    """The move or swap between ranks ``a`` (costlier) and ``b`` that lowers ``max(c[a], c[b])``
+    most, as ``[(sample, new rank), ...]``, or None (see :func:`_refine`)."""
+    ia, ib = np.nonzero(rank_of == a)[0], np.nonzero(rank_of == b)[0]
+    ga, gb = group[ia], group[ib]
+    # leaving a (b) takes the sample's tokens, and its prompt copy if it is its group's last there;
+    # joining a (b) adds them, and a prompt copy if its group is not there yet
+    leave_a = R[ia] + prompt[ga] * (held[a, ga] == 1)
+    join_b = R[ia] + prompt[ga] * (held[b, ga] == 0)
+    leave_b = R[ib] + prompt[gb] * (held[b, gb] == 1)
+    join_a = R[ib] + prompt[gb] * (held[a, gb] == 0)
+    options = []
+    if len(ia) > 1:  # a keeps a sample
+        move = np.maximum(c[a] - leave_a, c[b] + join_b)  # a's sample i goes to b
+        i = int(np.argmin(move))
+        options.append((int(move[i]), 0, [(int(ia[i]), b)]))
+    if 0 < len(ia) * len(ib) <= _SWAP_PAIRS:  # a's sample i and b's sample j change places
+        swap = np.maximum(c[a] - leave_a[:, None] + join_a[None, :], c[b] + join_b[:, None] - leave_b[None, :])
+        diff = R[ib][None, :] - R[ia][:, None]  # inside one group no prompt copy moves
+        swap = np.where(ga[:, None] == gb[None, :], np.maximum(c[a] + diff, c[b] - diff), swap)
+        i, j = divmod(int(np.argmin(swap)), len(ib))
+        options.append((int(swap[i, j]), 1, [(int(ia[i]), b), (int(ib[j]), a)]))
+    options = [o for o in options if o[0] < max(c[a], c[b])]
+    return min(options)[2] if options else None
 
 
 def _fill_ranks(queue: np.ndarray, P: np.ndarray, R: np.ndarray, group: np.ndarray, ranks: int,
