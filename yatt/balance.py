@@ -289,8 +289,7 @@ def dp_balance_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], 
 _SWAP_PAIRS = 1 << 20  # candidate swaps per exchange, above which only moves are tried
 
 
-def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.ndarray, ranks: int,
-            rounds: int | None = None) -> np.ndarray:
+def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.ndarray, ranks: int) -> np.ndarray:
     """Local search on a shared-prompt plan: ``rank_of`` improved in place and returned.
 
     A rank's cost is its response tokens plus one prompt copy (``prompt[g]`` tokens) per group it
@@ -298,7 +297,7 @@ def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.nd
     with the first ``b`` where some exchange lowers ``max(cost_a, cost_b)`` it applies the best
     one: moving one of ``a``'s samples to ``b``, or swapping one of ``a``'s with one of ``b``'s
     (all pairs at once, ``O(n_a * n_b)``; moves only above :data:`_SWAP_PAIRS` pairs). Stops when
-    no exchange helps or after ``rounds`` (default ``8 * ranks``) rounds. Integer costs, so every
+    no exchange helps or after ``8 * ranks`` rounds. Integer costs, so every
     rank derives the same plan.
     """
     held = np.zeros((ranks, len(prompt)), np.int64)  # samples of group g on rank r
@@ -307,7 +306,7 @@ def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.nd
     def cost() -> np.ndarray:
         return np.bincount(rank_of, weights=R, minlength=ranks).astype(np.int64) + (held > 0) @ prompt
 
-    for _ in range(8 * ranks if rounds is None else rounds):
+    for _ in range(8 * ranks):
         c = cost()
         a = int(np.argmax(c))
         for b in sorted((r for r in range(ranks) if r != a), key=lambda r: (c[r], r)):

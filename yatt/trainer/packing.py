@@ -12,13 +12,15 @@ distinct tokens (no padding): several *documents* back to back, each with its ow
 
 The linear layers run on the ``S`` real tokens. The attention does not run on the whole row: the
 core attention (:class:`yatt.trainer.attention.SdpaAttention`, given a
-:class:`~yatt.trainer.attention.DocumentAttention`)
-gathers each document's *trunk* (the sample in ``packed``, the prompt in ``shared_prompt``) into
-a batch of causal rows, and each response (a *branch*) with its prompt's keys into a second
-batch, so a response's attention costs ``n * (p + n)`` scores as in its own padded row, and a
-group's prompt ``p * p`` once. Every logprob equals the padded one (to fp32 rounding). This is
-what the THD layout of Transformer Engine's attention does on GPU (variable-length documents in
-one row, ``cu_seqlens``), with a shared prompt as one more case.
+:class:`~yatt.trainer.attention.DocumentAttention`) gathers each document's *trunk* (the sample
+in ``packed``, the prompt in ``shared_prompt``) into a batch of causal rows, and each response (a
+*branch*) with its prompt's keys into a second batch, so a response's attention costs
+``n * (p + n)`` scores as in its own padded row, and a group's prompt ``p * p`` once. The price
+is memory: each response's batch row holds its own copy of its prompt's keys and values
+(``N * (p + n)`` positions of the key/value width per layer, saved for the backward pass, against
+``p + sum(n)`` for the group in one row). Every logprob equals the padded one (to fp32
+rounding). This is what the THD layout of Transformer Engine's attention does on GPU
+(variable-length documents in one row, ``cu_seqlens``), with a shared prompt as one more case.
 
 Source of the idea: padding-free / packed sequences as verl (``use_remove_padding``), OpenRLHF
 (``packing_samples``) and NeMo-RL (sequence packing) run them; shared-prompt attention as in
@@ -27,6 +29,7 @@ Source of the idea: padding-free / packed sequences as verl (``use_remove_paddin
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
 MODES = ("padded", "packed", "shared_prompt")
