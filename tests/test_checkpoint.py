@@ -288,6 +288,32 @@ def test_host_snapshot_does_not_alias_live_non_tensor_state():
     assert list(out["d"]) == [1.0, 2.0] and out["d"].maxlen == 3 and out["cfg"]["lr"] == [0.1]
 
 
+def test_an_async_save_whose_host_copy_does_not_fit_in_memory_is_written_synchronously(tmp_path, monkeypatch, caplog):
+    """With less memory left than the host copy needs (10% of the machine kept free), save()
+    writes the live state before it returns, holds no copy, and warns once; with room again the
+    next save is asynchronous."""
+    import psutil
+
+    state = nested_state(1.0)
+    need = saver_mod._tensor_bytes(state)
+    room = {"available": 1000 + need // 2}
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=10_000, available=room["available"]))
+    ck = Checkpointer(tmp_path, 0, "tp0_pp0", async_save=True)
+    at1 = clone_state(state)
+    with caplog.at_level(logging.WARNING, logger="yatt"):
+        save_state(ck, 1, state)
+        assert ck.committed == step_dir(tmp_path, 1) and ck.snapshot.held_bytes() == 0  # written, nothing copied
+        mutate_(state, 2.0)
+        save_state(ck, 2, state)
+        assert ck.committed == step_dir(tmp_path, 2)
+    assert sum("written synchronously" in r.getMessage() for r in caplog.records) == 1
+    assert_same(load_part(step_dir(tmp_path, 1), "model", "tp0_pp0"), at1["model"])
+    room["available"] = 1000 + 2 * need
+    save_state(ck, 3, state)
+    assert ck.snapshot.held_bytes() == need
+    assert ck.wait() == step_dir(tmp_path, 3)
+
+
 def test_async_save_holds_the_values_at_save_time(tmp_path):
     ck = Checkpointer(tmp_path, 0, "tp0_pp0", async_save=True)
     state = nested_state(1.0)

@@ -391,7 +391,8 @@ class CheckpointConfig(_Section):
         description="retention: also keep every checkpoint at a multiple of M steps (0: none)")
     async_save: bool = Field(True,
         description="write in a background thread from a host copy of the model and optimizer states, kept for the "
-                    "next save (false: the step waits for the write, and no copy is held: less memory)")
+                    "next save (false: the step waits for the write, and no copy is held: less memory); a save whose "
+                    "copy does not fit in the machine's memory left is written that way, with a warning")
 
 
 class FaultConfig(_Section):

@@ -165,6 +165,12 @@ def whole_lines() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+def local_ranks() -> int:
+    """Ranks of this job on this machine, as the launcher says (MPICH's ``MPI_LOCALNRANKS``,
+    torchrun's ``LOCAL_WORLD_SIZE``); 1 when it does not say."""
+    return max(1, int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
 def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> RankInfo:
     """Discover ranks, export the torch env vars, set threads and init torch.distributed. Output
     goes a whole line at a time from here on (:func:`whole_lines`).
@@ -189,8 +195,7 @@ def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> Ra
         os.environ["MASTER_PORT"] = str(_free_port() if info.world_size == 1 else 29500)
     os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
     if threads is None:
-        local_ranks = max(1, int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        threads = max(1, (os.cpu_count() or 1) // local_ranks)
+        threads = max(1, (os.cpu_count() or 1) // local_ranks())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch  # here, not at the top: discover() runs before a job's log settings (yatt.logs)
     import torch.distributed as dist

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.checkpoint import files
+from yatt.dist import local_ranks
 
 log = logging.getLogger("yatt")
 
@@ -56,6 +57,10 @@ class HostSnapshot:
             self._event = torch.cuda.Event()
             self._event.record()
         return out
+
+    def held_bytes(self) -> int:
+        """Bytes of the host buffers kept for later snapshots."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def ready(self) -> None:
         """Block until the copies of the last :meth:`take` have landed (no-op on CPU)."""
@@ -160,6 +165,7 @@ class Checkpointer:
         self.root, self.rank, self.model_key = Path(root), rank, model_key
         self.async_save, self.keep_last, self.keep_every, self.group = async_save, keep_last, keep_every, group
         self.snapshot = HostSnapshot()
+        self._warned_memory = False
         self.committed: Path | None = None
         self.failures = 0
         self.last_failure: str | None = None
@@ -192,12 +198,13 @@ class Checkpointer:
         self.wait()
         tmp = files.step_dir(self.root, step, tmp=True)
         jobs = [(copy.deepcopy(rank_state), tmp / "rank" / f"{self.rank:05d}.pt")]
-        needed = 1 << 20
+        needed, sync = 1 << 20, not self.async_save
         if self.model_key is not None:
             trained = {**({"actor": (model, optim)} if model is not None else {}), **(roles or {})}
             keys = {files.role_key(r, self.model_key): v for r, v in trained.items()}
             state = {k: {"model": m, "optim": o} for k, (m, o) in keys.items()}
-            if self.async_save:  # training goes on while the thread writes: it writes a host copy
+            sync = not self.async_save or not self._copy_fits(state, step)
+            if not sync:  # training goes on while the thread writes: it writes a host copy
                 state = self.snapshot.take(state)
                 needed += self.snapshot.bytes
             else:  # save() returns after the write, so the live tensors are written: no copy held in memory
@@ -213,8 +220,28 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._write, args=(jobs, tmp, needed), name=f"yatt-ckpt-{step}",
                                             daemon=True)
             self._thread.start()
-        if not self.async_save:
+        if sync:
             self.wait()
+
+    def _copy_fits(self, state: dict, step: int) -> bool:
+        """Whether the host copy of an asynchronous save fits in the machine's available memory,
+        counting this job's other ranks on the machine as making theirs at the same time and
+        keeping 10% of the memory free. The copy's buffers persist, so only what they do not hold
+        yet counts. When it does not fit, this save is written synchronously from the live state
+        (training waits for the write; nothing is copied) and the job logs it, once."""
+        import psutil
+
+        new = _tensor_bytes(state) - self.snapshot.held_bytes()
+        vm = psutil.virtual_memory()
+        if new <= 0 or new * local_ranks() <= vm.available - vm.total // 10:
+            return True
+        if not self._warned_memory:
+            log.warning("checkpoint of step %d: its host copy for writing in the background (%.2f GiB on this rank, "
+                        "%d rank(s) on this machine) does not fit in the %.2f GiB of memory left; it is written "
+                        "synchronously (training waits for the write), and so is any later save that does not fit",
+                        step, new / 2**30, local_ranks(), vm.available / 2**30)
+            self._warned_memory = True
+        return False
 
     def _write(self, jobs, tmp: Path, needed: int) -> None:
         try:
