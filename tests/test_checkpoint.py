@@ -314,6 +314,14 @@ def test_an_async_save_whose_host_copy_does_not_fit_in_memory_is_written_synchro
     assert ck.wait() == step_dir(tmp_path, 3)
 
 
+def test_ranks_agree_to_write_synchronously_when_one_ranks_copy_does_not_fit(shared_job):
+    """tests/mpi/checkpoint_memory.py in the shared 2-rank job: only rank 0 is short of memory,
+    both ranks write synchronously (no rank waits in a collective for a peer that went on), and
+    the files hold the state at save time."""
+    out = shared_job("ranks_2")
+    assert out.count("checkpoint_memory OK") == 2, out[-3000:]
+
+
 def test_async_save_holds_the_values_at_save_time(tmp_path):
     ck = Checkpointer(tmp_path, 0, "tp0_pp0", async_save=True)
     state = nested_state(1.0)

@@ -198,12 +198,13 @@ class Checkpointer:
         self.wait()
         tmp = files.step_dir(self.root, step, tmp=True)
         jobs = [(copy.deepcopy(rank_state), tmp / "rank" / f"{self.rank:05d}.pt")]
-        needed, sync = 1 << 20, not self.async_save
+        needed, state = 1 << 20, None
         if self.model_key is not None:
             trained = {**({"actor": (model, optim)} if model is not None else {}), **(roles or {})}
             keys = {files.role_key(r, self.model_key): v for r, v in trained.items()}
             state = {k: {"model": m, "optim": o} for k, (m, o) in keys.items()}
-            sync = not self.async_save or not self._copy_fits(state, step)
+        sync = not self.async_save or self._copy_misfits(state, step)
+        if state is not None:
             if not sync:  # training goes on while the thread writes: it writes a host copy
                 state = self.snapshot.take(state)
                 needed += self.snapshot.bytes
@@ -223,25 +224,27 @@ class Checkpointer:
         if sync:
             self.wait()
 
-    def _copy_fits(self, state: dict, step: int) -> bool:
-        """Whether the host copy of an asynchronous save fits in the machine's available memory,
-        counting this job's other ranks on the machine as making theirs at the same time and
-        keeping 10% of the memory free. The copy's buffers persist, so only what they do not hold
-        yet counts. When it does not fit, this save is written synchronously from the live state
-        (training waits for the write; nothing is copied) and the job logs it, once."""
+    def _copy_misfits(self, state: dict | None, step: int) -> bool:
+        """Whether some rank's host copy for an asynchronous save does not fit in its machine's
+        available memory (collective: every rank then writes synchronously, since :meth:`wait`
+        is collective). A rank counts this job's other ranks on its machine as making theirs at
+        the same time and keeps 10% of the memory free; the copy's buffers persist, so only what
+        they do not hold yet counts. A rank whose copy does not fit logs it, once."""
         import psutil
 
-        new = _tensor_bytes(state) - self.snapshot.held_bytes()
+        new = _tensor_bytes(state) - self.snapshot.held_bytes() if state is not None else 0
         vm = psutil.virtual_memory()
-        if new <= 0 or new * local_ranks() <= vm.available - vm.total // 10:
-            return True
-        if not self._warned_memory:
+        misfit = new > 0 and new * local_ranks() > vm.available - vm.total // 10
+        if misfit and not self._warned_memory:
             log.warning("checkpoint of step %d: its host copy for writing in the background (%.2f GiB on this rank, "
                         "%d rank(s) on this machine) does not fit in the %.2f GiB of memory left; it is written "
                         "synchronously (training waits for the write), and so is any later save that does not fit",
                         step, new / 2**30, local_ranks(), vm.available / 2**30)
             self._warned_memory = True
-        return False
+        flag = torch.tensor([int(misfit)], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def _write(self, jobs, tmp: Path, needed: int) -> None:
         try:
