@@ -20,7 +20,7 @@ parts are ordered by their smallest index, empty parts last.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,7 +256,8 @@ def dp_balance_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], 
     group_cost = np.bincount(group, weights=costs, minlength=len(first))
     queue = np.concatenate([np.nonzero(group == g)[0] for g in sorted(range(len(first)), key=lambda g: (-group_cost[g], first[g]))]
                            or [np.zeros(0, np.int64)])  # groups largest first, samples in index order
-    rank_of = _refine(_fill_ranks(queue, P, R, group, ranks, float(group_cost.sum())), P[first], R, group, ranks)
+    rank_of = _refine(_fill_ranks(queue, P, R, group, ranks, float(group_cost.sum())), P[first], R, group, ranks,
+                      rank_costs)
     kk = dp_balance(P + R, ranks, max_tokens)
     kk_rank = np.empty(n, np.int64)
     kk_rank[kk.order] = np.repeat(np.arange(ranks), np.diff(kk.rank_offsets))
@@ -289,11 +290,12 @@ def dp_balance_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], 
 _SWAP_PAIRS = 1 << 20  # candidate swaps per exchange, above which only moves are tried
 
 
-def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.ndarray, ranks: int) -> np.ndarray:
+def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.ndarray, ranks: int,
+            rank_costs: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """Local search on a shared-prompt plan: ``rank_of`` improved in place and returned.
 
-    A rank's cost is its response tokens plus one prompt copy (``prompt[g]`` tokens) per group it
-    holds. Each round, the costliest rank ``a`` tries the other ranks ``b`` from the cheapest up;
+    A rank's cost (``rank_costs(rank_of)``) is its response tokens plus one prompt copy
+    (``prompt[g]`` tokens) per group it holds. Each round, the costliest rank ``a`` tries the other ranks ``b`` from the cheapest up;
     with the first ``b`` where some exchange lowers ``max(cost_a, cost_b)`` it applies the best
     one: moving one of ``a``'s samples to ``b``, or swapping one of ``a``'s with one of ``b``'s
     (all pairs at once, ``O(n_a * n_b)``; moves only above :data:`_SWAP_PAIRS` pairs). Stops when
@@ -302,12 +304,8 @@ def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.nd
     """
     held = np.zeros((ranks, len(prompt)), np.int64)  # samples of group g on rank r
     np.add.at(held, (rank_of, group), 1)
-
-    def cost() -> np.ndarray:
-        return np.bincount(rank_of, weights=R, minlength=ranks).astype(np.int64) + (held > 0) @ prompt
-
     for _ in range(8 * ranks):
-        c = cost()
+        c = rank_costs(rank_of)
         a = int(np.argmax(c))
         for b in sorted((r for r in range(ranks) if r != a), key=lambda r: (c[r], r)):
             if c[b] >= c[a]:
