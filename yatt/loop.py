@@ -22,36 +22,24 @@ import logging
 import time
 from collections.abc import Iterator
 
-import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from yatt.algos.estimators import outcome_advantages
-from yatt.algos.reward_norm import normalize_rewards
 from yatt.algos.update import compute_logprobs, compute_values, critic_update, finish_advantages, policy_update
-from yatt.algos.zero_signal import trained_mask
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints
 from yatt.checkpoint.saver import CheckpointWriteError
 from yatt.checkpoint.triggers import Preempted
 from yatt.config import Config
-from yatt.controller.batch import (make_mini_batches, make_samples, mini_batch_bounds, pack_micro_batches,
-                                   skipped_counts)
 from yatt.controller.evaluate import evaluate
+from yatt.controller.experience import balanced_mini_batches, rl_experience, stage_samples
 from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
-from yatt.controller.rebalance import DpBalancer
+from yatt.controller.step_report import merge, report_step, sample_sums
 from yatt.dist import RankInfo
 from yatt.job import Job, build_job
-from yatt.reward.scorer import COUNTER_SUFFIXES
 from yatt.stages.dpo import dpo_eval, dpo_update, pair_micro_batches, pair_samples
 from yatt.stages.rm import rm_eval, rm_samples, rm_update
 from yatt.stages.sft import sft_samples, sft_update
 
 log = logging.getLogger("yatt")
-# summed over ranks, not averaged
-_COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
-             "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped",
-             "sft_rows_skipped", "dpo_rows_skipped", "rm_rows_skipped")
-_MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures")  # max over ranks
 
 
 def run(cfg: Config, info: RankInfo, watchdog=None) -> list[dict]:
@@ -135,7 +123,7 @@ def _step(job: Job, step: int) -> dict:
     sums["checkpoint_failures"] = (float(job.ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
     timer.merge(job.placement.sync(job.actor, timer.on_enter))
     job.phase("step end", step)
-    return _record(job, step, timer, t0, sums)
+    return report_step(job, step, timer, t0, sums)
 
 
 def _rl_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
@@ -145,7 +133,7 @@ def _rl_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
     groups, rewards = _rollout_and_score(job, step, timer, sums)
     if not job.trains:
         return
-    mini_batches, skipped = _experience(job, groups, rewards, timer, sums)
+    mini_batches, skipped = rl_experience(job, groups, rewards, timer, sums)
     with timer("logprob"):
         logprob_sums = compute_logprobs(job.actor, job.ref, mini_batches, cfg.algo.recompute_old_logprobs)
         if job.critic is not None:
@@ -169,11 +157,11 @@ def _sft_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
     responses, shared over the model replica and balanced over the DP ranks, one optimizer step."""
     cfg = job.cfg
     job.phase("train", step)
-    samples, rows = _stage_samples(job, *sft_samples(job.shard.next_batch(), cfg.sft, job.tokenizer,
+    samples, rows = stage_samples(job, *sft_samples(job.shard.next_batch(), cfg.sft, job.tokenizer,
                                                      cfg.rollout.max_model_len))
     sums.update(rows)
     with timer("balance"):
-        minis, _ = _mini_batches(samples, None, job.balancer, cfg, job.tokenizer.pad_token_id, sums, mini_batches=1)
+        minis, _ = balanced_mini_batches(samples, None, job.balancer, cfg, job.tokenizer.pad_token_id, sums, mini_batches=1)
     if minis:
         with timer("train"):
             sums.update(sft_update(job.actor, minis[0], job.dp_group))
@@ -197,21 +185,8 @@ def _pair_batches(job: Job, rows) -> tuple[list[dict], dict[str, tuple[float, fl
     and this rank's row metrics."""
     cfg, t = job.cfg, job.cfg.trainer
     make = rm_samples if cfg.stage == "rm" else pair_samples
-    samples, sums = _stage_samples(job, *make(rows, cfg.data, job.tokenizer, cfg.rollout.max_model_len))
+    samples, sums = stage_samples(job, *make(rows, cfg.data, job.tokenizer, cfg.rollout.max_model_len))
     return pair_micro_batches(samples, t.micro_batch_tokens, job.tokenizer.pad_token_id, t.packing), sums
-
-
-def _stage_samples(job: Job, samples: list, skipped: int) -> tuple[list, dict[str, tuple[float, float]]]:
-    """A stage's samples made from this rank's rows, shared over the model replica (its TP x PP
-    ranks train on the same data), and this rank's row metrics: ``<stage>_rows_skipped``,
-    ``tokens_total``, ``response_len_mean``."""
-    t = job.cfg.trainer
-    sums = {f"{job.cfg.stage}_rows_skipped": (float(skipped), 1.0),
-            "tokens_total": (float(sum(s.length for s in samples)), 1.0),
-            "response_len_mean": (float(sum(len(s.response_ids) for s in samples)), float(len(samples)))}
-    if t.tp * t.pp > 1:
-        samples = _gather(samples, job.mp_group, t.tp * t.pp)
-    return samples, sums
 
 
 def _rollout_and_score(job: Job, step: int, timer: PhaseTimer, sums: dict) -> tuple[list, list[list[float]]]:
@@ -240,50 +215,10 @@ def _sample_round(job: Job, step: int, round_: int, timer: PhaseTimer, sums: dic
     if job.trains:
         with timer("reward"):
             flat, accuracy, reward_sums = job.scorer.score(groups)
-        more.update(_sample_sums(groups, flat, accuracy), **reward_sums)
+        more.update(sample_sums(groups, flat, accuracy), **reward_sums)
         rewards = [flat[i * n:(i + 1) * n] for i in range(len(groups))]
-    _merge(sums, more)
+    merge(sums, more)
     return groups, rewards
-
-
-def _experience(job: Job, groups, rewards: list[list[float]], timer: PhaseTimer,
-                sums: dict) -> tuple[list[list[dict]], list[tuple[float, float]]]:
-    """The step's samples with their outcome advantages (on the rank that owns each whole group, of
-    the rewards as ``algo.reward_norm`` and ``algo.reward_clip`` make them; collective over the
-    trainers), shared over the model replica, the zero-signal ones left out
-    (:func:`yatt.algos.zero_signal.trained_mask`) and the rest balanced over the DP ranks. Returns
-    this rank's micro-batches per mini-batch and, per mini-batch, its left-out (response tokens,
-    sequences) for the loss normaliser."""
-    t, a = job.cfg.trainer, job.cfg.algo
-    scores = normalize_rewards(rewards, a.reward_norm, a.reward_clip, job.placement.train_group)
-    samples = make_samples([g.row for g in groups], [g.completions for g in groups], [x for r in rewards for x in r],
-                           outcome_advantages(job.estimator, scores))
-    counts = True  # this rank counts its replica's left-out samples (its first rank does)
-    if t.tp * t.pp > 1:  # the ranks of one model replica (TP x PP) train on the same data
-        samples, counts = _gather(samples, job.mp_group, t.tp * t.pp), dist.get_rank(job.mp_group) == 0
-    keep = trained_mask(a, [s.advantage for s in samples])
-    if keep is not None:
-        left = [s for s, k in zip(samples, keep) if not k] if counts else []
-        sums.update(samples_skipped=(float(len(left)), 1.0), tokens_skipped=(float(sum(s.length for s in left)), 1.0))
-    with timer("balance"):
-        return _mini_batches(samples, keep, job.balancer, job.cfg, job.tokenizer.pad_token_id, sums)
-
-
-def _record(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> dict:
-    """Reduce the step's metrics over the ranks (the slowest rank's phase times, idle times),
-    tell the placement, write them and print rank 0's line."""
-    idle = sums.pop("idle_s", (0.0,))[0] + _wait_for_peers()  # a rank with nothing left waits here
-    timer.times["time_step_s"] = time.perf_counter() - t0
-    sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
-    record = {"step": step, **global_means(sums, op_max=_MAXIMA, op_sum=_COUNTERS, sum_suffixes=COUNTER_SUFFIXES,
-                                                  max_prefixes=("time_", "mem_peak_"))}
-    record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
-    record.update(_idle_record(idle))
-    job.placement.end_step(record.get("time_rollout_genrm_s", 0.0), timer.avail_min)  # none in sft
-    job.writer.write(record)
-    if job.info.rank == 0:
-        tqdm.write(_line(record) if job.cfg.stage == "rl" else _stage_line(record, f"{job.cfg.stage}_loss"))
-    return record
 
 
 def _evaluate(job: Job, step: int) -> list[dict]:
@@ -320,105 +255,3 @@ def _stop_if_signalled(ckpt: RunCheckpoints, start: int) -> None:
         raise Preempted(start, stop, saved=False)
 
 
-def _gather(samples, group, size: int):
-    parts = [None] * size
-    dist.all_gather_object(parts, samples, group=group)
-    return [s for part in parts for s in part]
-
-
-def _mini_batches(samples, keep: list[bool] | None, balancer: DpBalancer | None, cfg: Config, pad_id: int,
-                  sums: dict, mini_batches: int | None = None) -> tuple[list[list[dict]], list[tuple[float, float]]]:
-    """This rank's micro-batches per mini-batch of the samples ``keep`` marks, and per mini-batch the
-    (response tokens, sequences) of the left-out ones: after DP balancing (which adds
-    ``dp_imbalance_before``, ``dp_imbalance_after`` and ``update_skipped`` to ``sums``), or of its
-    own samples when balancing is off; ``mini_batches`` of them (default ``algo.mini_batches``)."""
-    m = mini_batches or cfg.algo.mini_batches
-    packing = cfg.trainer.packing
-    if balancer is None:
-        minis = make_mini_batches(samples, m, cfg.trainer.micro_batch_tokens, pad_id, keep, packing)
-        skipped = skipped_counts(samples, keep, mini_batch_bounds(len(samples), m))
-    else:
-        bal = balancer.balance(samples, m, keep)
-        if not bal.splits:
-            log.warning("fewer samples than DP ranks this step (dynamic sampling cap?): no update")
-        sums["update_skipped"] = (float(not bal.splits), 1.0)
-        sums.update(dp_imbalance_before=(bal.imbalance_before, 1.0), dp_imbalance_after=(bal.imbalance_after, 1.0))
-        minis, skipped = [pack_micro_batches(bal.samples, split, pad_id, packing) for split in bal.splits], bal.skipped
-    sums.update(_body_sums([mb for mbs in minis for mb in mbs]))
-    return minis, skipped
-
-
-def _body_sums(micro_batches: list[dict]) -> dict[str, tuple[float, float]]:
-    """``pad_frac`` (padding share of the rows the model body runs) and ``body_tokens_vs_padded``
-    (their size against the padded rows': what ``trainer.packing`` saves) over this rank's micro-batches."""
-    real, ran = (float(sum(int(mb["body_tokens"][i]) for mb in micro_batches)) for i in (0, 1))
-    return {"pad_frac": (ran - real, ran), "body_tokens_vs_padded": (ran, float(sum(mb["input_ids"].numel()
-                                                                                 for mb in micro_batches)))}
-
-
-def _wait_for_peers() -> float:
-    """Seconds this rank waits for the slowest rank at the end of the step (idle time)."""
-    t0 = time.perf_counter()
-    if dist.is_initialized():
-        dist.barrier()
-    return time.perf_counter() - t0
-
-
-def _idle_record(idle: float) -> dict:
-    """``idle_s`` (mean over ranks), ``idle_max_s`` and ``idle_rank_s`` (per rank, ms rounded)."""
-    every = torch.tensor([idle], dtype=torch.float64)
-    if dist.is_initialized():
-        every = torch.zeros(dist.get_world_size(), dtype=torch.float64)
-        dist.all_gather_single(every, torch.tensor([idle], dtype=torch.float64))
-    return {"idle_s": float(every.mean()), "idle_max_s": float(every.max()),
-            "idle_rank_s": [round(v, 3) for v in every.tolist()]}
-
-
-def _sample_sums(groups, rewards: list[float], accuracy: list[float]) -> dict[str, tuple[float, float]]:
-    """(sum, count) metrics of every response of ``groups`` (``rewards``: the training reward,
-    ``accuracy``: the accuracy source's scores, 1 = correct; both prompt-major)."""
-    pairs = [(g.row, c) for g in groups for c in g.completions]
-    n = float(len(pairs))
-    return {
-        "reward_mean": (sum(rewards), n),
-        "accuracy": (sum(float(r == 1.0) for r in accuracy), n),
-        "response_len_mean": (sum(len(c.token_ids) for _, c in pairs), n),
-        "truncated_frac": (sum(float(c.finish_reason == "length") for _, c in pairs), n),
-        "tokens_total": (sum(len(row.prompt_ids) + len(c.token_ids) for row, c in pairs), 1.0),
-    }
-
-
-def _merge(sums: dict, more: dict) -> None:
-    """Add one sampling round's (sum, count) pairs into the step's (maxima: the larger)."""
-    for k, (v, c) in more.items():
-        a, b = sums.get(k, (0.0, 0.0))
-        sums[k] = (max(a, v), 1.0) if k in _MAXIMA else (a + v, b + c)
-
-
-def _line(r: dict) -> str:
-    def v(key: str, fmt: str) -> str:  # "-": not measured this step (e.g. the actor frozen while the critic warms up)
-        return format(r[key], fmt) if key in r else "-"
-
-    means = [f"{k[7:-5]} {r[k]:.3f}" for k in sorted(r) if k.startswith("reward_") and k.endswith("_mean")
-             and k != "reward_mean"]  # each source's
-    errors = sum(r[k] for k in r if k.startswith("reward_") and k.endswith("_errors"))
-    genrm = (f" ({' '.join(means)})" if len(means) > 1 else "") + (f" errors {errors:.0f}" if errors else "")
-    critic = f" | vloss {r['value_loss']:.4f} ev {r['explained_variance']:.3f}" if "value_loss" in r else ""
-    skipped = f" skip {r['samples_skipped']:.0f}" if "samples_skipped" in r else ""
-    phases = " ".join(f"{name} {r[f'time_{key}_s']:.1f}" for name, key in _PHASES if f"time_{key}_s" in r)
-    return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f}{genrm} | kl {v('kl', '.4f')} "
-            f"ent {v('entropy', '.3f')} clip {v('clip_frac', '.3f')} gnorm {v('grad_norm', '.3f')}{critic} "
-            f"| len {r['response_len_mean']:.1f}{skipped} | lpdiff {v('logprob_diff_rollout_vs_train', '.1e')} | "
-            f"{r['time_step_s']:.1f}s ({phases} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
-
-
-def _stage_line(r: dict, loss: str) -> str:
-    acc = f" acc {r['pair_accuracy']:.3f} margin {r['reward_margin']:.3f}" if "pair_accuracy" in r else ""
-    return (f"step {r['step']:>4} | {loss.replace('_', ' ')} {r.get(loss, float('nan')):.4f}{acc} "
-            f"gnorm {r.get('grad_norm', float('nan')):.3f} "
-            f"| len {r['response_len_mean']:.1f} | {r['time_step_s']:.1f}s (train {r.get('time_train_s', 0.0):.1f} "
-            f"sync {r.get('time_sync_s', 0.0):.1f} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
-
-
-_PHASES = (("roll", "rollout"), ("genrm", "genrm"), ("lp", "logprob"), ("train", "train"), ("critic", "critic"),
-           ("sync", "sync"), ("engines", "engines"))

@@ -1,5 +1,5 @@
 """Leaving zero-signal samples out gives the full batch's update, on 2 ranks with DP balancing,
-through the step loop's own batching (``yatt.loop._mini_batches``) and update (fp32).
+through the step loop's own batching (``yatt.controller.experience.balanced_mini_batches``) and update (fp32).
 
     mpirun -np 2 python tests/mpi/zero_signal.py            # a tiny random Llama in SmolLM2's shape
     mpirun -np 2 python tests/mpi/zero_signal.py smollm2    # SmolLM2-135M-Instruct itself
@@ -112,14 +112,14 @@ def _run(actor, ref, tok, cfg, rank: int, steps, full: list | None = None) -> li
     from yatt.algos.update import compute_logprobs, policy_update
     from yatt.algos.zero_signal import trained_mask
     from yatt.controller.rebalance import DpBalancer
-    from yatt.loop import _mini_batches
+    from yatt.controller.experience import balanced_mini_batches
 
     balancer = DpBalancer(cfg.trainer.balance, cfg.trainer.micro_batch_tokens)
     out = []
     for k, step in enumerate(steps):
         samples = _samples(rank, REWARDS[rank][step], step)
         keep = trained_mask(cfg.algo, [s.advantage for s in samples])
-        minis, skipped = _mini_batches(samples, keep, balancer, cfg, tok.pad_token_id, {})
+        minis, skipped = balanced_mini_batches(samples, keep, balancer, cfg, tok.pad_token_id, {})
         compute_logprobs(actor, ref, minis, recompute_old=True)
         sums = policy_update(actor, minis, cfg.algo, None, None, cfg.rollout.max_tokens, skipped)
         norm, left = sums["grad_norm"][0] / sums["grad_norm"][1], 0 if keep is None else keep.count(False)
