@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from yatt.algos.estimators import grpo, outcome_advantages
+from yatt.balance import split_micro_batches
 from yatt.controller.batch import Sample, make_mini_batches, make_samples, pack_micro_batches
 
 EOS = PAD = 2
@@ -47,6 +48,24 @@ def test_mini_batches_keep_global_indices():
     assert [sorted(i for mb in mbs for i in mb["index"].tolist()) for mbs in minis] == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="mini_batches=5"):
         make_mini_batches(_samples(), 5, 1000, PAD)
+
+
+def test_shared_prompt_micro_batches_keep_each_group_whole():
+    """Without a DP balancer (``balance.enabled: false``) shared-prompt micro-batches hold whole
+    groups, so each prompt runs once: 4 groups of 8 (prompt 30, responses 40) under a budget of
+    2 groups. Cutting by sample length alone put every group's samples in both micro-batches
+    (each prompt twice, 240 more tokens)."""
+    rows = [SimpleNamespace(prompt_ids=[10 + g] * 30) for g in range(4)]
+    comp = SimpleNamespace(token_ids=[5] * 40, logprobs=[0.0] * 40, finish_reason="length")
+    samples = make_samples(rows, [[comp] * 8 for _ in rows], [0.0] * 32, [1.0] * 32)
+    budget = 2 * (30 + 8 * 40)
+    (mbs,) = make_mini_batches(samples, 1, budget, PAD, packing="shared_prompt")
+    groups = [sorted({i // 8 for i in mb["index"].tolist()}) for mb in mbs]
+    assert groups == [[0, 1], [2, 3]]
+    assert sorted(i for mb in mbs for i in mb["index"].tolist()) == list(range(32))
+    assert sum(int(mb["body_tokens"][0]) for mb in mbs) == 4 * 30 + 32 * 40  # each prompt once
+    blind = pack_micro_batches(samples, split_micro_batches([s.length for s in samples], budget), PAD, "shared_prompt")
+    assert sum(int(mb["body_tokens"][0]) for mb in blind) > 4 * 30 + 32 * 40  # the old cut: prompts copied
 
 
 def test_make_samples_rewards_and_advantages():

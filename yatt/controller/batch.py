@@ -3,15 +3,17 @@
 One :class:`Sample` is one response to one prompt. Micro-batches are right-padded
 ``prompt + response`` rows (what the losses read), and with ``trainer.packing`` also the packed
 rows the model body runs instead (:mod:`yatt.trainer.packing`); which samples share one is decided
-by the C++ balancer (:func:`yatt.balance.split_micro_batches` or :func:`yatt.balance.dp_balance`).
+by the C++ balancer (:func:`yatt.balance.split_micro_batches` or :func:`yatt.balance.dp_balance`), or
+with ``shared_prompt`` packing by :func:`yatt.balance.dp_balance_groups` (a group's samples together).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from yatt.balance import split_micro_batches
+from yatt.balance import dp_balance_groups, split_micro_batches
 from yatt.controller import wire
 from yatt.trainer.packing import pack_rows
 
@@ -112,7 +114,10 @@ def mini_batch_bounds(n: int, mini_batches: int) -> list[int]:
 def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: int, pad_id: int,
                       keep: list[bool] | None = None, packing: str = "padded") -> list[list[dict]]:
     """Split samples into ``mini_batches`` contiguous chunks, each split into micro-batches of at
-    most ``token_budget`` tokens (:func:`yatt.balance.split_micro_batches`) and packed.
+    most ``token_budget`` tokens and packed: by :func:`yatt.balance.split_micro_batches` over the
+    samples' lengths, or with ``packing="shared_prompt"`` by :func:`yatt.balance.dp_balance_groups`
+    on one rank, which keeps each group's samples (a run of one prompt) in one micro-batch where
+    the budget allows, so its prompt runs once (the cost: response tokens plus each prompt once).
 
     Args:
         keep: per sample, whether it is trained (None: every one; see
@@ -132,9 +137,18 @@ def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: in
     out = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         idx = [i for i in range(a, b) if keep is None or keep[i]]
-        groups = split_micro_batches([samples[i].length for i in idx], token_budget)
-        out.append(pack_micro_batches(samples, [[idx[j] for j in g] for g in groups], pad_id, packing))
+        out.append(pack_micro_batches(samples, _micro_batch_split(samples, idx, token_budget, packing), pad_id, packing))
     return out
+
+
+def _micro_batch_split(samples: list[Sample], idx: list[int], token_budget: int, packing: str) -> list[list[int]]:
+    """``idx`` (indices into ``samples``) cut into micro-batches, as :func:`make_mini_batches` says."""
+    if packing != "shared_prompt" or not idx:
+        return [[idx[j] for j in g] for g in split_micro_batches([samples[i].length for i in idx], token_budget)]
+    group = np.cumsum([k == 0 or samples[i].prompt_ids != samples[idx[k - 1]].prompt_ids for k, i in enumerate(idx)])
+    plan = dp_balance_groups([len(samples[i].prompt_ids) for i in idx], [len(samples[i].response_ids) for i in idx],
+                             group, 1, token_budget)
+    return [[idx[j] for j in mb.tolist()] for mb in plan.rank_micro_batches(0)]
 
 
 def skipped_counts(samples: list[Sample], keep: list[bool] | None, bounds: list[int]) -> list[tuple[float, float]]:
