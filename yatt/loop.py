@@ -158,10 +158,11 @@ def _sft_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
     cfg = job.cfg
     job.phase("train", step)
     samples, rows = stage_samples(job, *sft_samples(job.shard.next_batch(), cfg.sft, job.tokenizer,
-                                                     cfg.rollout.max_model_len))
+                                                    cfg.rollout.max_model_len))
     sums.update(rows)
     with timer("balance"):
-        minis, _ = balanced_mini_batches(samples, None, job.balancer, cfg, job.tokenizer.pad_token_id, sums, mini_batches=1)
+        minis, _ = balanced_mini_batches(samples, None, job.balancer, cfg, job.tokenizer.pad_token_id, sums,
+                                         mini_batches=1)
     if minis:
         with timer("train"):
             sums.update(sft_update(job.actor, minis[0], job.dp_group))

@@ -137,7 +137,8 @@ def make_mini_batches(samples: list[Sample], mini_batches: int, token_budget: in
     out = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         idx = [i for i in range(a, b) if keep is None or keep[i]]
-        out.append(pack_micro_batches(samples, _micro_batch_split(samples, idx, token_budget, packing), pad_id, packing))
+        split = _micro_batch_split(samples, idx, token_budget, packing)
+        out.append(pack_micro_batches(samples, split, pad_id, packing))
     return out
 
 

@@ -72,8 +72,9 @@ def gather(samples, group, size: int) -> list:
     return [s for part in parts for s in part]
 
 
-def balanced_mini_batches(samples, keep: list[bool] | None, balancer: DpBalancer | None, cfg: Config, pad_id: int,
-                           sums: dict, mini_batches: int | None = None) -> tuple[list[list[dict]], list[tuple[float, float]]]:
+def balanced_mini_batches(samples, keep: list[bool] | None, balancer: DpBalancer | None, cfg: Config,
+                          pad_id: int, sums: dict, mini_batches: int | None = None
+                          ) -> tuple[list[list[dict]], list[tuple[float, float]]]:
     """This rank's micro-batches per mini-batch of the samples ``keep`` marks, and per mini-batch the
     (response tokens, sequences) of the left-out ones: after DP balancing (which adds
     ``dp_imbalance_before``, ``dp_imbalance_after`` and ``update_skipped`` to ``sums``), or of its
