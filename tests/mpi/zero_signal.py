@@ -107,8 +107,6 @@ def _run(actor, ref, tok, cfg, rank: int, steps, full: list | None = None) -> li
     update. Returns per step (grad norm, weights, samples left out on this rank), the weights only
     when ``full`` is None; else each step is checked against ``full``'s (the weights compared as
     they are made, so that one copy of them is kept)."""
-    import torch
-
     from yatt.algos.update import compute_logprobs, policy_update
     from yatt.algos.zero_signal import trained_mask
     from yatt.controller.rebalance import DpBalancer
@@ -138,7 +136,6 @@ def _run(actor, ref, tok, cfg, rank: int, steps, full: list | None = None) -> li
 
 
 def main(*args: str) -> None:
-    import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
