@@ -203,13 +203,14 @@ class Checkpointer:
             trained = {**({"actor": (model, optim)} if model is not None else {}), **(roles or {})}
             keys = {files.role_key(r, self.model_key): v for r, v in trained.items()}
             state = {k: {"model": m, "optim": o} for k, (m, o) in keys.items()}
-        sync = not self.async_save or self._copy_misfits(state, step)
+        state_bytes = _tensor_bytes(state) if state is not None else 0
+        sync = not self.async_save or self._copy_misfits(state_bytes, step)
         if state is not None:
             if not sync:  # training goes on while the thread writes: it writes a host copy
                 state = self.snapshot.take(state)
                 needed += self.snapshot.bytes
             else:  # save() returns after the write, so the live tensors are written: no copy held in memory
-                needed += _tensor_bytes(state)
+                needed += state_bytes
             for key, parts in state.items():
                 jobs += [(parts["model"], tmp / "model" / f"{key}.pt"), (parts["optim"], tmp / "optim" / f"{key}.pt")]
         self._pending, self._error, self._written = (step, meta), None, {}
@@ -224,15 +225,15 @@ class Checkpointer:
         if sync:
             self.wait()
 
-    def _copy_misfits(self, state: dict | None, step: int) -> bool:
-        """Whether some rank's host copy for an asynchronous save does not fit in its machine's
-        available memory (collective: every rank then writes synchronously, since :meth:`wait`
-        is collective). A rank counts this job's other ranks on its machine as making theirs at
+    def _copy_misfits(self, state_bytes: int, step: int) -> bool:
+        """Whether some rank's host copy of its ``state_bytes`` of tensors, for an asynchronous
+        save, does not fit in its machine's available memory (collective: every rank then writes
+        synchronously, since :meth:`wait` is collective). A rank counts this job's other ranks on its machine as making theirs at
         the same time and keeps 10% of the memory free; the copy's buffers persist, so only what
         they do not hold yet counts. A rank whose copy does not fit logs it, once."""
         import psutil
 
-        new = _tensor_bytes(state) - self.snapshot.held_bytes() if state is not None else 0
+        new = state_bytes - self.snapshot.held_bytes()
         vm = psutil.virtual_memory()
         misfit = new > 0 and new * local_ranks() > vm.available - vm.total // 10
         if misfit and not self._warned_memory:
