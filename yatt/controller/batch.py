@@ -146,10 +146,17 @@ def _micro_batch_split(samples: list[Sample], idx: list[int], token_budget: int,
     """``idx`` (indices into ``samples``) cut into micro-batches, as :func:`make_mini_batches` says."""
     if packing != "shared_prompt" or not idx:
         return [[idx[j] for j in g] for g in split_micro_batches([samples[i].length for i in idx], token_budget)]
-    group = np.cumsum([k == 0 or samples[i].prompt_ids != samples[idx[k - 1]].prompt_ids for k, i in enumerate(idx)])
+    group = prompt_runs([samples[i] for i in idx])
     plan = dp_balance_groups([len(samples[i].prompt_ids) for i in idx], [len(samples[i].response_ids) for i in idx],
                              group, 1, token_budget)
     return [[idx[j] for j in mb.tolist()] for mb in plan.rank_micro_batches(0)]
+
+
+def prompt_runs(samples: list[Sample]) -> np.ndarray:
+    """Group labels ``[n]`` int64, ascending from 1: one label per run of adjacent samples with the
+    same ``prompt_ids`` (a group's samples are adjacent, as :func:`make_samples` lays them out)."""
+    return np.cumsum([i == 0 or s.prompt_ids != samples[i - 1].prompt_ids for i, s in enumerate(samples)],
+                     dtype=np.int64)
 
 
 def skipped_counts(samples: list[Sample], keep: list[bool] | None, bounds: list[int]) -> list[tuple[float, float]]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from yatt.balance import DpPlan, dp_balance, dp_balance_groups
 from yatt.config import BalanceConfig
 from yatt.controller import wire
-from yatt.controller.batch import Sample, mini_batch_bounds, skipped_counts
+from yatt.controller.batch import Sample, mini_batch_bounds, prompt_runs, skipped_counts
 from yatt.dist import mpi_arrive, mpi_comm
 
 
@@ -143,8 +143,7 @@ class DpBalancer:
         ex = self.exchange
         lengths = wire.lengths(samples)
         kept = np.ones(len(samples), dtype=np.int64) if keep is None else np.asarray(keep, dtype=np.int64)
-        group = np.cumsum([i == 0 or s.prompt_ids != samples[i - 1].prompt_ids for i, s in enumerate(samples)],
-                          dtype=np.int64)  # runs of one prompt, numbered per rank
+        group = prompt_runs(samples)  # numbered per rank
         meta = ex.allgather(np.column_stack([lengths, kept, group]))  # [n_d, 4] per rank: the only data every rank sees
         every, keeps, groups = [x[:, :2] for x in meta], [x[:, 2].astype(bool) for x in meta], [x[:, 3] for x in meta]
         chunks = _fillable(mini_batches, [len(x) for x in every], ex.size)
