@@ -295,12 +295,12 @@ def _refine(rank_of: np.ndarray, prompt: np.ndarray, R: np.ndarray, group: np.nd
     """Local search on a shared-prompt plan: ``rank_of`` improved in place and returned.
 
     A rank's cost (``rank_costs(rank_of)``) is its response tokens plus one prompt copy
-    (``prompt[g]`` tokens) per group it holds. Each round, the costliest rank ``a`` tries the other ranks ``b`` from the cheapest up;
-    with the first ``b`` where some exchange lowers ``max(cost_a, cost_b)`` it applies the best
-    one: moving one of ``a``'s samples to ``b``, or swapping one of ``a``'s with one of ``b``'s
-    (all pairs at once, ``O(n_a * n_b)``; moves only above :data:`_SWAP_PAIRS` pairs). Stops when
-    no exchange helps or after ``8 * ranks`` rounds. Integer costs, so every
-    rank derives the same plan.
+    (``prompt[g]`` tokens) per group it holds. Each round, the costliest rank ``a`` tries the
+    other ranks ``b`` from the cheapest up; with the first ``b`` where some exchange lowers
+    ``max(cost_a, cost_b)`` it applies the best one: moving one of ``a``'s samples to ``b``, or
+    swapping one of ``a``'s with one of ``b``'s (all pairs at once, ``O(n_a * n_b)``; moves only
+    above :data:`_SWAP_PAIRS` pairs). Stops when no exchange helps or after ``8 * ranks`` rounds.
+    Integer costs, so every rank derives the same plan.
     """
     held = np.zeros((ranks, len(prompt)), np.int64)  # samples of group g on rank r
     np.add.at(held, (rank_of, group), 1)
