@@ -17,6 +17,7 @@ namespace py = pybind11;
 namespace {
 
 using Plan = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using Slots = Plan;  // 1-D: one int64 address per slot
 
 py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
   py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
@@ -53,13 +54,18 @@ PYBIND11_MODULE(_C, m) {
         "Execute a copy plan ([n, 6] int64: src, src_stride, dst, dst_stride, rows, row_bytes) "
         "with `threads` CPU threads (0: all cores).");
 #ifdef YATT_WITH_CUDA
-  m.def("copy_blocks_cuda", [](const Plan& plan, std::uintptr_t stream) {
-          const int64_t n = plan_rows(plan);
-          const int64_t* blocks = plan.data();
+  m.def("copy_tasks_cuda", [](std::uintptr_t tasks, int64_t n, const Slots& bases, std::uintptr_t stream,
+                              std::uintptr_t device_bases) {
+          if (bases.ndim() != 1) throw std::invalid_argument("slot bases must be a 1-D int64 array");
+          const int64_t nslots = bases.shape(0);
+          const int64_t* host = bases.data();
           py::gil_scoped_release release;
-          yatt::copy_blocks_cuda(blocks, n, stream);
-        }, py::arg("plan"), py::arg("stream") = 0,
-        "Execute a copy plan of device addresses in one CUDA launch on `stream`.");
+          yatt::copy_tasks_cuda(reinterpret_cast<const int64_t*>(tasks), n, host, nslots,
+                                reinterpret_cast<const int64_t*>(device_bases), stream);
+        }, py::arg("tasks"), py::arg("n"), py::arg("bases"), py::arg("stream") = 0, py::arg("device_bases") = 0,
+        "Queue a resident task table (device address of n x 8 int64) on `stream` with the slots' base "
+        "addresses (int64 array; by value up to copy_tasks_max_slots, else device_bases is required).");
+  m.attr("copy_tasks_max_slots") = yatt::kMaxSlotArgs;
 #endif
   m.def("dp_balance", [](const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& array,
                          int64_t ranks, int64_t max_tokens, double cost_linear, double cost_quadratic,
