@@ -42,6 +42,15 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def plan_buckets(specs: Sequence[ParamSpec], layout: Layout, bucket_bytes: int, itemsize: int,
                  i: int = 1, j: int = 0) -> list[list[ParamSpec]]:
     """Consecutive parameters grouped into buckets of at most ``bucket_bytes`` of target bytes.
@@ -126,31 +135,34 @@ class BucketedSync:
         for k in range(len(self.buckets)):
             yield from self._bucket(k)
 
-    @torch.no_grad()
-    def _bucket(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def _bucket(self, k: int) -> list[tuple[str, torch.Tensor]]:
+        """Bucket ``k``'s (HF name, tensor) pairs. The host work per run is the copy kernel's
+        launch, one ``as_strided`` per copied target and cached views of the parameters: on CUDA
+        the launch is stream-ordered, so the next bucket is planned while this one copies."""
         bucket, owner = self.buckets[k], self.buckets[k][0].stage
-        if owner == self.stage:
-            if k not in self._programs:
-                self._programs[k] = _BucketProgram(bucket, self.layout, self.params, self.i, self.j,
-                                                   (self.tp_group, self.tp_mpi), views=len(self.pp_ranks) == 1)
-            program = self._programs[k]
-            out = program.run(self.params, self.threads)
-            entries = program.entries
-        else:  # another stage builds this bucket: receive all of it
-            entries, pos = [], 0
-            for spec in bucket:
-                for name, shape in spec.targets:
-                    shape = target_shape(name, shape, self.layout, self.i, self.j)
-                    entries.append((name, shape, None, pos))
-                    pos += _numel(shape)
-            out = torch.empty(pos, dtype=self.dtype, device=self.device)
-        if self.pp_mpi is not None:
-            self.pp_mpi.Bcast(_bytes(out), root=owner)
-        elif len(self.pp_ranks) > 1:
-            dist.broadcast(out, src=self.pp_ranks[owner], group=self.pp_group)
-        for name, shape, param, pos in entries:
-            base = out if param is None else self.params[param].detach().view(-1)
-            yield name, base[pos:pos + _numel(shape)].view(shape)
+        with torch.no_grad():
+            if owner == self.stage:
+                if k not in self._programs:
+                    self._programs[k] = _BucketProgram(bucket, self.layout, self.params, self.i, self.j,
+                                                       (self.tp_group, self.tp_mpi), views=len(self.pp_ranks) == 1)
+                program = self._programs[k]
+                out = program.run(self.params, self.threads)
+                entries = program.entries
+            else:  # another stage builds this bucket: receive all of it
+                entries, pos = [], 0
+                for spec in bucket:
+                    for name, shape in spec.targets:
+                        shape = target_shape(name, shape, self.layout, self.i, self.j)
+                        entries.append((name, shape, None, pos))
+                        pos += _numel(shape)
+                program, out = None, torch.empty(pos, dtype=self.dtype, device=self.device)
+            if self.pp_mpi is not None:
+                self.pp_mpi.Bcast(_bytes(out), root=owner)
+            elif len(self.pp_ranks) > 1:
+                dist.broadcast(out, src=self.pp_ranks[owner], group=self.pp_group)
+            if program is not None:
+                return program.tensors(out, self.params)
+            return [(e[0], out.as_strided(e[1], _strides(e[1]), e[3])) for e in entries]
 
 
 class _BucketProgram:
@@ -161,7 +173,7 @@ class _BucketProgram:
     With ``views``, a target that is one contiguous run of a local parameter (TP=1: gate, up,
     an unpadded embedding; norms at any TP) is not copied: ``entries`` points it at the
     parameter. ``entries``: (HF name, shape, parameter name or None for the output buffer,
-    element offset) in load order."""
+    element offset, the shape's contiguous strides) in load order."""
 
     def __init__(self, bucket: list[ParamSpec], layout: Layout, params: dict[str, torch.Tensor],
                  i: int, j: int, tp: tuple, views: bool):
@@ -170,31 +182,46 @@ class _BucketProgram:
         split = [s for s in bucket if s.dim is not None and t > 1]
         self.split_names = [s.name for s in split]
         self.total = sum(s.numel for s in split)  # elements one rank contributes to the gather
-        self.local_names = [s.name for s in bucket if s.name not in self.split_names]
-        # slots of the reshard: 0 = output, 1 = gathered shards, 2.. = local parameters
-        slot_of = {n: 2 + k for k, n in enumerate(self.local_names)}
         refs, pos = {}, 0
         for s in split:
             refs[s.name] = [(1, r * self.total + pos) for r in range(t)]
             pos += s.numel
-        jobs, self.entries, out_pos = [], [], 0
+        jobs, self.entries, out_pos = [], [], 0  # jobs: (source parameter, output offset, blocks)
         for s in bucket:
             for (name, shape), blocks in zip(s.targets, copy_blocks(s, layout, i, j)):
                 shape = target_shape(name, shape, layout, i, j)
-                if views and s.name in slot_of and len(blocks) == 1 and blocks[0, 5] == 1 \
-                        and blocks[0, 6] == _numel(shape):  # one contiguous run of a local parameter
-                    self.entries.append((name, shape, s.name, int(blocks[0, 1])))
+                _, src, src_stride, _, dst_stride, rows, cols = blocks[0] if len(blocks) == 1 else (0,) * 7
+                if views and s.name not in refs and rows * cols == _numel(shape) > 0 and \
+                        (rows == 1 or src_stride == dst_stride == cols):  # one contiguous run of a local parameter
+                    self.entries.append((name, shape, s.name, int(src), _strides(shape)))
                     continue
-                jobs.append((refs.get(s.name) or [(slot_of[s.name], 0)], (0, out_pos), blocks))
-                self.entries.append((name, shape, None, out_pos))
+                jobs.append((s.name, out_pos, blocks))
+                self.entries.append((name, shape, None, out_pos, _strides(shape)))
                 out_pos += _numel(shape)
         self.out_numel = out_pos
+        # slots of the reshard: 0 = output, 1 = gathered shards, 2.. = the local parameters it reads
+        self.local_names = sorted({src for src, _, _ in jobs if src not in refs})
+        slot_of = {n: 2 + k for k, n in enumerate(self.local_names)}
+        jobs = [(refs.get(src) or [(slot_of[src], 0)], (0, at), blocks) for src, at, blocks in jobs]
+        self.view_params = sorted({e[2] for e in self.entries if e[2] is not None})
+        self._param_views = None  # (the parameters' data pointers, {entry: view}) of the last run
         self.reshard = CopyProgram([out_pos, t * self.total, *(params[n].numel() for n in self.local_names)], jobs)
         pos, pack = 0, []
         for k, s in enumerate(split):
             pack.append(([(1 + k, 0)], (0, pos), np.array([[0, 0, s.numel, 0, s.numel, 1, s.numel]])))
             pos += s.numel
         self.pack = CopyProgram([self.total, *(s.numel for s in split)], pack)
+
+    def tensors(self, out: torch.Tensor, params: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's (HF name, tensor) pairs in load order: views of ``out`` (this run's
+        buffer) and of the parameters. A parameter's views are made once and kept while the
+        parameter keeps its storage (an optimizer step writes in place)."""
+        ptrs = tuple(params[p].data_ptr() for p in self.view_params)
+        if self._param_views is None or self._param_views[0] != ptrs:
+            self._param_views = (ptrs, {e: params[e[2]].detach().view(-1)[e[3]:e[3] + _numel(e[1])].view(e[1])
+                                        for e in self.entries if e[2] is not None})
+        views = self._param_views[1]
+        return [(e[0], out.as_strided(e[1], e[4], e[3]) if e[2] is None else views[e]) for e in self.entries]
 
     def run(self, params: dict[str, torch.Tensor], threads: int) -> torch.Tensor:
         """The bucket's output buffer (``out_numel`` elements, the parameters' dtype and device),
