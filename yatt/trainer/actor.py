@@ -122,13 +122,19 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
         Identical on every TP rank; full logits are never gathered.
     Source: Megatron-Core's ``vocab_parallel_cross_entropy`` (max / sum all-reduces over the TP
     group, the softmax saved for the backward), extended with the entropy's sum in the same pass
-    (:class:`_VocabParallelLogprobEntropy`).
+    (:class:`_VocabParallelLogprobEntropy`). On CUDA the same function runs as Triton kernels
+    (:func:`yatt.trainer.fused.logprob.logprobs_entropy`: one read of the logits in their own
+    dtype forward, the gradient written over them backward, the max and sums kept per row).
     """
     from megatron.core import parallel_state
+
+    from yatt.trainer.fused import logprob as fused
 
     group = parallel_state.get_tensor_model_parallel_group()
     local = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * local
+    if fused.supported(logits):  # CUDA: one pass over the logits as they are, no fp32 copy
+        return fused.logprobs_entropy(logits, targets, start, vocab_size, group, entropy_grad)
     logits = logits.float()
     if start + local > vocab_size:
         padded = torch.arange(start, start + local, device=logits.device) >= vocab_size

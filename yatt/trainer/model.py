@@ -6,12 +6,15 @@ under stage-local indices, the first stage the embedding, the last the final nor
 layer; with tied embeddings the last stage's output layer starts as a copy of the embedding).
 Layers use the local spec (``get_gpt_layer_local_spec``, no Transformer Engine) so the model also
 runs on CPU (see :mod:`yatt.trainer.megatron_cpu`), with its core attention computed by torch's
-fused kernel (:mod:`yatt.trainer.attention`).
+fused kernel (:mod:`yatt.trainer.attention`). On CUDA the MLP's SwiGLU and the rotary embedding run
+YATT's fused Triton kernels (:mod:`yatt.trainer.fused`) in place of Megatron's unfused torch code
+(one pass over the activations instead of four to seven); the CPU keeps Megatron's.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -133,6 +136,43 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight), None
 
 
+def fuse_elementwise() -> bool:
+    """Whether models are built with the fused kernels of :func:`_fuse_elementwise`: on CUDA,
+    unless the environment says ``YATT_FUSED=0``."""
+    return torch.cuda.is_available() and os.environ.get("YATT_FUSED") != "0"
+
+
+def _fuse_elementwise(spec, config_overrides: dict) -> None:
+    """Point a local layer spec at YATT's fused CUDA kernels: the MLP's activation becomes
+    :class:`yatt.trainer.fused.swiglu.SwiGLU` (through Megatron's ``use_te_activation_func`` hook,
+    a module applied to the fc1 output ``[.., 2F]``), and Megatron's attention applies rotary
+    embeddings through :func:`_rope` (installed once per process)."""
+    from megatron.core.transformer import attention
+
+    from yatt.trainer.fused.swiglu import SwiGLU
+
+    spec.submodules.mlp.submodules.activation_func = SwiGLU
+    config_overrides.setdefault("use_te_activation_func", True)
+    if attention.apply_rotary_pos_emb is not _rope:
+        global _megatron_rope
+        _megatron_rope, attention.apply_rotary_pos_emb = attention.apply_rotary_pos_emb, _rope
+
+
+_megatron_rope = None  # Megatron-Core's apply_rotary_pos_emb, which _rope falls back to
+
+
+def _rope(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
+    """Megatron-Core's ``apply_rotary_pos_emb`` (same arguments), through the fused kernel
+    (:func:`yatt.trainer.fused.rope.apply_rope`) for the case YATT's models use: ``sbhd`` rows, the
+    rotary dim the head dim, no interleaving, scale 1, a CUDA tensor; Megatron's own code else."""
+    from yatt.trainer.fused import rope
+
+    if (cu_seqlens is None and mscale == 1.0 and not config.rotary_interleaved and not config.apply_rope_fusion
+            and not config.multi_latent_attention and freqs.shape[-1] == t.shape[-1] and rope.supported(t)):
+        return rope.apply_rope(t, freqs)
+    return _megatron_rope(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+
+
 def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, head: str = "lm",
                     head_init_std: float = 0.0, head_seed: int = 0, **config_overrides):
     """GPTModel for this TP rank and pipeline stage with the HF folder's weights loaded.
@@ -170,6 +210,9 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
     # TP>1 grad norms are wrong. So initialisation runs, with no-op init methods (fast).
     config_overrides = dict(init_method=_skip_init, output_layer_init_method=_skip_init,
                             embedding_init_method=_skip_init, **config_overrides)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if fuse_elementwise():
+        _fuse_elementwise(spec, config_overrides)
     config = transformer_config(hf, tp=tp, pp=pp, dtype=dtype, perform_initialization=True, **config_overrides)
     if head not in ("lm", "value"):
         raise ValueError(f"head must be 'lm' or 'value', not {head!r}")
@@ -178,7 +221,6 @@ def build_gpt_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, 
         kwargs["share_embeddings_and_output_weights"] = False
     from yatt.trainer.attention import SdpaAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention  # same function, fused
     model = GPTModel(config, spec, **kwargs,
                      pre_process=stage == 0, post_process=stage == pp - 1)
