@@ -95,3 +95,33 @@ def test_document_attention_equals_megatrons_on_the_dense_mask(world1, mode):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     fused._fused = lambda *a: False  # a case the fused kernel does not cover: Megatron's path
     torch.testing.assert_close(fused(q, k, v, None, packed_seq_params=plan), results[0][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["packed", "shared_prompt"])
+def test_varlen_plan_equals_megatrons_on_the_dense_mask(world1, mode):
+    """The variable-length plan (each trunk and each response a query sequence, a response's keys
+    its prompt's then its own, causal aligned at the ends) computes Megatron's attention over the
+    whole row with the dense block mask: checked through ``flash_varlen.reference``, the function
+    the CUDA kernel must equal (``flash_varlen.available`` checks that on the GPU)."""
+    from yatt.trainer import flash_varlen
+
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [5, 6, 7], [1]]
+    lay = pack_rows(prompts, [[1, 2], [3], [4, 4, 4], [], [2, 3, 4, 5]], width=7, mode=mode)
+    mask = attention_mask(lay["packed_segments"], lay["packed_branches"])
+    local, _ = _pair()
+    S = lay["packed_ids"].shape[1]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(S, 1, h, 16, generator=g) for h in (4, 2, 2))
+    want = local(q, k, v, mask)[:, 0].reshape(S, 4, 16)
+    keys = lay.get("packed_kv_index", torch.arange(S))
+    got = flash_varlen.reference(q[:, 0], k[:, 0, :][keys], v[:, 0][keys], lay["packed_cu_q"], lay["packed_cu_k"],
+                                 local.softmax_scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert lay["packed_max_lens"].tolist() == [int(x.diff().max()) for x in (lay["packed_cu_q"], lay["packed_cu_k"])]
+
+
+def test_varlen_kernel_is_not_used_off_cuda():
+    from yatt.trainer import flash_varlen
+
+    q, k = torch.zeros(4, 4, 16, dtype=torch.bfloat16), torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    assert not flash_varlen.available(q, k)

@@ -151,18 +151,21 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _scored_positions(mb: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row, position) pairs whose next token is a response token, or None (score all)."""
+def _scored_positions(mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, position) pairs whose next token is scored: a response token (``response_mask``), or
+    without a mask every token after the first. The output layer runs on these alone, on a
+    ``[1, N, H]`` selection of the hidden states (no ``[B, T, V]`` logits to transpose)."""
     mask = mb.get("response_mask")
-    if mask is None:
-        return None
-    return torch.nonzero(mask[:, 1:] > 0, as_tuple=True)
+    ids = mb["input_ids"]
+    scored = mask[:, 1:] > 0 if mask is not None else torch.ones_like(ids[:, 1:], dtype=torch.bool)
+    return torch.nonzero(scored, as_tuple=True)
 
 
-def _select_hidden(select, module, args, kwargs):
-    """Output-layer pre-hook: keep the hidden states [S, B, H] of ``select`` only -> [N, 1, H]."""
-    rows, cols = select
-    return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
+def _select_hidden(index, module, args, kwargs):
+    """Output-layer pre-hook: keep the hidden states [S, B, H] at ``index`` (long [N], positions of
+    the flattened ``[S * B]``) only -> [N, 1, H]. An ``index_select``: its backward is an
+    ``index_add_``, not advanced indexing's sort-based accumulation (slow on CUDA)."""
+    return (args[0].flatten(0, 1).index_select(0, index).unsqueeze(1), *args[1:]), kwargs
 
 
 def init_parallel_state(tp: int, pp: int = 1) -> None:
@@ -326,10 +329,14 @@ class MegatronPolicy:
         self.config = self.model.config
         self._device = next(self.model.parameters()).device
         self.module = self.model  # the bare GPTModel (this TP rank's shard of its stage), under any wrappers
+        self._model_kwargs = {}
         if dtype == torch.bfloat16:
             from megatron.core.transformer.module import Float16Module
 
             self.model = Float16Module(self.config, self.model)
+            # the head's output stays bf16: the logprob kernels read it as it is (an fp32 copy of
+            # [tokens, vocab] logits is the step's largest tensor)
+            self._model_kwargs = {"fp32_output": False}
         self.optimizer = self.scheduler = self.grad_sum = None
         self._syncs: dict = {}  # bucket size -> BucketedSync (live parameter references, no copies)
         if optim is None:
@@ -376,29 +383,46 @@ class MegatronPolicy:
             wd_incr_style="constant")
 
     # ---- forward -------------------------------------------------------------------------
-    def _forward_step(self, loss_fn, data_iterator, model):
+    def _on_device(self, mb: dict) -> dict:
+        """A micro-batch ready for the forward step, on the model's device: its tensors, the scored
+        (row, position) pairs (``"_select"``), where the output layer reads them (``"_hidden_index"``,
+        positions in the body's flattened ``[S * B]`` hidden states) and the packed row's attention
+        plan (``"_plan"``). Every index is computed on the host before the copy, so the step itself
+        makes no host round trip per micro-batch or layer."""
         from yatt.trainer.attention import DocumentAttention
 
-        device = self._device
-        mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
-        ids = mb["input_ids"]
         select = _scored_positions(mb)
+        out = {}
+        if select is not None:
+            rows, cols = select
+            out["_hidden_index"] = (mb["packed_index"][rows, cols] if _runs_packed(mb)
+                                    else cols * mb["input_ids"].shape[0] + rows)
+        if "packed_max_lens" in mb:  # ints for the attention kernel, read here rather than on the device
+            out["packed_max_lens"] = tuple(int(x) for x in mb["packed_max_lens"].tolist())
+        device = self._device
+        out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+               for k, v in {**mb, **out}.items()}
+        out["_select"] = None if select is None else tuple(x.to(device, non_blocking=True) for x in select)
+        if _runs_packed(out):
+            out["_plan"] = DocumentAttention.of(out)
+        return out
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb = next(data_iterator)  # prepared by _on_device
+        ids, select = mb["input_ids"], mb["_select"]
         hooks = []
         if _runs_packed(mb):  # the body runs one packed row (yatt.trainer.packing)
-            ids, position_ids = mb["packed_ids"], mb["packed_positions"]
-            plan = DocumentAttention.of(mb)
+            ids, position_ids, plan = mb["packed_ids"], mb["packed_positions"], mb["_plan"]
             hooks.append(self.module.rotary_pos_emb.register_forward_hook(packing.rope_at_positions(position_ids)))
-            flat = mb["packed_index"][select]  # the scored positions in the packed row
-            hidden_at = (torch.zeros_like(flat), flat)
         else:
-            position_ids, plan, hidden_at = torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None, select
+            position_ids, plan = torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None
         if select is not None and self.last_stage:  # the output layer runs on scored positions only
-            hooks.append(self.module.output_layer.register_forward_pre_hook(partial(_select_hidden, hidden_at),
-                                                                            with_kwargs=True))
+            hooks.append(self.module.output_layer.register_forward_pre_hook(
+                partial(_select_hidden, mb["_hidden_index"]), with_kwargs=True))
         try:
-            # last stage: logits [B, T, Vp/tp], or [1, N, Vp/tp] when selected; other stages:
-            # hidden states for the next stage (input_ids are read by the first stage only)
-            logits = model(ids, position_ids, None, packed_seq_params=plan)
+            # last stage: logits [B, T, Vp/tp], or [1, N, Vp/tp] when selected, in the parameter dtype;
+            # other stages: hidden states for the next stage (input_ids are read by the first stage only)
+            logits = model(ids, position_ids, None, packed_seq_params=plan, **self._model_kwargs)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -422,6 +446,7 @@ class MegatronPolicy:
     def _run(self, micro_batches: list[dict], loss_fn, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        micro_batches = [self._on_device(mb) for mb in micro_batches]  # all copies before any compute
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micro_batches),
             model=[self.model], num_microbatches=len(micro_batches),

@@ -16,11 +16,14 @@ window attention, query-key layer scaling, an attention bias, other packed-seque
 and queries and keys of different lengths.
 
 Given a :class:`DocumentAttention` (a packed row of :mod:`yatt.trainer.packing`) it runs each
-document's attention alone: the trunks gathered into one batch of causal rows, the branches (a
-shared prompt's responses) with their trunk's keys into another, so the row's length never
-enters the cost. On one of the demo's mini-batches (SmolLM2's heads, 4 prompts x 8 responses of
-40 tokens, one thread, 2026-12-03, the dev machine) forward + backward of one layer's attention
-took 57 ms against 105 ms for the same 1428 tokens as four masked rows of 357.
+document's attention alone. On CUDA in bf16/fp16 that is one variable-length FlashAttention call
+over the row (:mod:`yatt.trainer.flash_varlen`: each trunk and each response a sequence, a
+response's keys its prompt's then its own), with no padding and no mask. Elsewhere (the CPU, fp32)
+the trunks are gathered into one batch of causal rows and the branches (a shared prompt's
+responses) with their trunk's keys into another, so the row's length never enters the cost. On
+one of the demo's mini-batches (SmolLM2's heads, 4 prompts x 8 responses of 40 tokens, one
+thread, 2026-12-03, the dev machine) forward + backward of one layer's attention took 57 ms
+against 105 ms for the same 1428 tokens as four masked rows of 357.
 
 Source: ``megatron.core.transformer.dot_product_attention.DotProductAttention`` (the function);
 Dao et al. 2022, "FlashAttention" (the blocked kernel torch runs).
@@ -35,7 +38,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from yatt.trainer import packing
+from yatt.trainer import flash_varlen, packing
 
 
 @dataclass
@@ -49,6 +52,8 @@ class DocumentAttention(PackedSeqParams):
         trunk, branch_q, branch_k, branch_lens, gather, segments, branches: ``pack_rows``'
             ``packed_trunk``, ``packed_branch_q``, ``packed_branch_k``, ``packed_branch_lens``,
             ``packed_gather``, ``packed_segments`` and ``packed_branches``.
+        cu_q, cu_k, kv_index, max_q, max_k: the variable-length plan (``packed_cu_q``,
+            ``packed_cu_k``, ``packed_kv_index`` or None, ``packed_max_lens`` as ints).
     """
 
     trunk: torch.Tensor = None
@@ -58,16 +63,24 @@ class DocumentAttention(PackedSeqParams):
     gather: torch.Tensor = None
     segments: torch.Tensor = None
     branches: torch.Tensor = None
+    cu_q: torch.Tensor = None
+    cu_k: torch.Tensor = None
+    kv_index: torch.Tensor = None
+    max_q: int = 0
+    max_k: int = 0
     _mask: torch.Tensor = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, mb: dict) -> DocumentAttention:
         """The plan of a micro-batch with ``pack_rows``' tensors (on the model's device)."""
         size = mb["packed_ids"].shape[1]
+        lens = mb.get("packed_max_lens", (0, 0))  # read on the host (a CPU tensor, or ints)
+        max_q, max_k = (int(x) for x in (lens.tolist() if torch.is_tensor(lens) else lens))
         return cls(qkv_format="sbhd", max_seqlen_q=size, max_seqlen_kv=size, trunk=mb["packed_trunk"],
                    branch_q=mb["packed_branch_q"], branch_k=mb["packed_branch_k"],
                    branch_lens=mb["packed_branch_lens"], gather=mb["packed_gather"],
-                   segments=mb["packed_segments"], branches=mb["packed_branches"])
+                   segments=mb["packed_segments"], branches=mb["packed_branches"], cu_q=mb.get("packed_cu_q"),
+                   cu_k=mb.get("packed_cu_k"), kv_index=mb.get("packed_kv_index"), max_q=max_q, max_k=max_k)
 
     def branch_mask(self) -> torch.Tensor:
         """bool ``[N, 1, Q, P + Q]``, True where branch query ``i`` may attend to key ``j``: its
@@ -126,21 +139,32 @@ class SdpaAttention(DotProductAttention):
     def _documents(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    plan: DocumentAttention) -> torch.Tensor:
         """Attention inside each document of a packed row: ``[S, 1, heads, head_dim]`` in,
-        ``[S, 1, heads * head_dim]`` out."""
+        ``[S, 1, heads * head_dim]`` out. Gathers are ``index_select`` (their backward an
+        ``index_add_``, not advanced indexing's sort-based accumulation)."""
         q, k, v = (x[:, 0] for x in (query, key, value))  # [S, heads, head_dim]
+        out_shape = (query.shape[0], 1, self.hidden_size_per_partition)
+        if plan.cu_q is not None and flash_varlen.available(q, k):
+            if plan.kv_index is not None:  # each response's keys follow a copy of its prompt's
+                k, v = k.index_select(0, plan.kv_index), v.index_select(0, plan.kv_index)
+            return flash_varlen.varlen_attention(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+                                                 self.softmax_scale).reshape(out_shape)
         gqa = q.shape[1] != k.shape[1]
+
+        def rows(x, index):  # x[index] for an index [R, L]: [R, heads, L, head_dim]
+            return x.index_select(0, index.flatten()).view(*index.shape, *x.shape[1:]).transpose(1, 2)
+
         outs = []
         if plan.trunk.numel():  # [D, heads, P, head_dim], causal; a row's tail past its trunk is never read
             t = plan.trunk
             outs.append(F.scaled_dot_product_attention(
-                q[t].transpose(1, 2), k[t].transpose(1, 2), v[t].transpose(1, 2), is_causal=True,
+                rows(q, t), rows(k, t), rows(v, t), is_causal=True,
                 scale=self.softmax_scale, enable_gqa=gqa).transpose(1, 2).flatten(0, 1))
         if plan.branch_q.numel():  # [N, heads, Q, head_dim] against [N, groups, P + Q, head_dim]
             bq, bk = plan.branch_q, plan.branch_k
             outs.append(F.scaled_dot_product_attention(
-                q[bq].transpose(1, 2), k[bk].transpose(1, 2), v[bk].transpose(1, 2),
+                rows(q, bq), rows(k, bk), rows(v, bk),
                 attn_mask=plan.branch_mask(), scale=self.softmax_scale, enable_gqa=gqa).transpose(1, 2).flatten(0, 1))
-        return torch.cat(outs)[plan.gather].reshape(query.shape[0], 1, self.hidden_size_per_partition)
+        return torch.cat(outs).index_select(0, plan.gather).reshape(out_shape)
 
     def _fused(self, query, key, attention_bias, packed_seq_params) -> bool:
         """The fused kernel computes what Megatron's path would."""

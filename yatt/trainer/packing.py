@@ -53,12 +53,18 @@ def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
         sample in ``shared_prompt``), ``packed_index`` long ``[B, T]`` (the position in the row of
         padded token ``(b, t)``; -1 for padding, and for every token of a sample with an empty
         response: it has nothing to score; when no sample has a response the row is one
-        placeholder token, id 0), and the attention plan :meth:`yatt.trainer.attention.DocumentAttention.of`
-        reads: ``packed_trunk`` long ``[D, P]`` (each document's trunk positions, 0 past its end),
-        ``packed_branch_q`` long ``[N, Q]`` (each branch's positions), ``packed_branch_k`` long
-        ``[N, P + Q]`` (its trunk's positions, then its own), ``packed_branch_lens`` long ``[N, 2]``
-        (trunk and branch length) and ``packed_gather`` long ``[S]`` (each token's row in the
-        attention output, trunk rows first, flattened).
+        placeholder token, id 0), and the attention plans :meth:`yatt.trainer.attention.DocumentAttention.of`
+        reads. For the CPU's batched kernel: ``packed_trunk`` long ``[D, P]`` (each document's trunk
+        positions, 0 past its end), ``packed_branch_q`` long ``[N, Q]`` (each branch's positions),
+        ``packed_branch_k`` long ``[N, P + Q]`` (its trunk's positions, then its own),
+        ``packed_branch_lens`` long ``[N, 2]`` (trunk and branch length) and ``packed_gather`` long
+        ``[S]`` (each token's row in the attention output, trunk rows first, flattened). For
+        variable-length attention (:mod:`yatt.trainer.flash_varlen`): the row cut into ``M``
+        query sequences in row order (each trunk, then each of its branches), ``packed_cu_q``
+        int32 ``[M + 1]`` (their offsets in the row), ``packed_cu_k`` int32 ``[M + 1]`` (offsets of
+        their keys: a trunk's own tokens, a branch's trunk then itself), ``packed_kv_index`` long
+        ``[K]`` (the row position of each key; absent in ``packed`` mode, where the keys are the
+        row itself) and ``packed_max_lens`` long ``[2]`` (longest query and key sequence).
     Raises:
         ValueError: unknown mode, ``B`` mismatch, or a sample longer than ``width``.
     """
@@ -105,6 +111,7 @@ def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
     out.update(packed_segments=torch.tensor([segments], dtype=torch.int32),
                packed_branches=torch.tensor([branches], dtype=torch.int32), packed_index=index)
     out.update(_attention_plan(trunks, branch, len(ids)))
+    out.update(_varlen_plan(trunks, branch, shared))
     return out
 
 
@@ -130,6 +137,23 @@ def _attention_plan(trunks: list[range], branch: list[tuple[int, range]], size: 
         gather[r.start:r.stop] = torch.arange(base + j * Q, base + j * Q + len(r))
     return {"packed_trunk": trunk, "packed_branch_q": branch_q, "packed_branch_k": branch_k,
             "packed_branch_lens": lens, "packed_gather": gather}
+
+
+def _varlen_plan(trunks: list[range], branch: list[tuple[int, range]], shared: bool) -> dict[str, torch.Tensor]:
+    """:func:`pack_rows`' variable-length attention plan (see there): the row's query sequences in
+    row order, each with its keys; a branch's queries are the last of its keys, so causal attention
+    aligned at the sequences' ends (FlashAttention's convention) lets each see its whole trunk."""
+    seqs = sorted([(t, list(t)) for t in trunks] + [(r, [*trunks[d], *r]) for d, r in branch],
+                  key=lambda s: s[0].start)  # (query positions, key positions) in row order
+    seqs = [(q, k) for q, k in seqs if len(q)]
+    q_lens = [len(q) for q, _ in seqs]
+    k_lens = [len(k) for _, k in seqs]
+    out = {"packed_cu_q": torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+           "packed_cu_k": torch.tensor([0, *k_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+           "packed_max_lens": torch.tensor([max(q_lens), max(k_lens)], dtype=torch.long)}
+    if shared:
+        out["packed_kv_index"] = torch.tensor([p for _, k in seqs for p in k], dtype=torch.long)
+    return out
 
 
 def attention_mask(segments: torch.Tensor, branches: torch.Tensor) -> torch.Tensor:
