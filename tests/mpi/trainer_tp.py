@@ -21,6 +21,7 @@ import math
 import sys
 import time
 
+import pytest
 import torch
 
 MODEL = "smollm2-135m-instruct"
@@ -427,6 +428,33 @@ def check_dp(rank: int) -> None:
     embed = dict(policy.export_hf_weights())["model.embed_tokens.weight"]
     assert not torch.equal(embed, hf.model.embed_tokens.weight), "train_step did not change the weights"
     print(f"[rank {rank}] DP=2 parameters identical on both ranks", flush=True)
+    check_overlapped_grad_reduce(rank)
+
+
+def check_overlapped_grad_reduce(rank: int) -> None:
+    """Megatron's overlapped DP gradient reduction (buckets all-reduced during the last
+    micro-batch's backward, what a GPU job runs) gives the update of the summed reduction after the
+    backward pass, over two micro-batches per rank and two steps, the second without data on rank 1."""
+    import tempfile
+
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+
+    mbs = padded_micro_batches([[14, 9], [11, 6], [7, 12], [5, 8]], vocab=99, seed=4)
+    params = []
+    for overlap in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            save_tiny_hf(tmp, "llama", vocab_size=99, tied=True, **SMOL_SHAPE)
+            policy = MegatronPolicy(tmp, optim=OptimConfig(lr=1e-3, total_steps=3), overlap_grad_reduce=overlap)
+        assert policy.overlap_grad_reduce == overlap and (policy.grad_sum is None) == overlap
+        norms = [policy.train_step(mbs[2 * rank:2 * rank + 2], sum_logprob_loss)["grad_norm"],
+                 policy.train_step(mbs[:2] if rank == 0 else [], sum_logprob_loss)["grad_norm"]]
+        params.append(([p.detach().clone() for p in policy.module.parameters()], norms))
+    (plain, plain_norms), (overlapped, overlapped_norms) = params
+    assert overlapped_norms == pytest.approx(plain_norms, rel=1e-6), (overlapped_norms, plain_norms)
+    for a, b in zip(plain, overlapped):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    print(f"[rank {rank}] DP=2 overlapped gradient reduction gives the same update (grad norms {plain_norms})",
+          flush=True)
 
 
 def check_dp_subgroup(rank: int) -> None:

@@ -286,6 +286,11 @@ class MegatronPolicy:
             layer in the backward pass (Megatron-Core's full recompute, one layer per checkpoint;
             Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"): activation memory
             of about one layer instead of all, for one more forward pass of compute. Same update.
+        overlap_grad_reduce: reduce the gradients over DP ranks bucket by bucket while the last
+            micro-batch's backward pass still runs (Megatron-Core's DDP buckets), as Megatron runs
+            on GPUs; None: on CUDA with DP > 1 over the whole DP group. Otherwise they are summed
+            after the backward pass (on CPU through shared memory, :mod:`yatt.trainer.grad_sum`).
+            The same update either way.
     Raises:
         RuntimeError: torch.distributed is not initialised (call ``yatt.dist.init_distributed``).
         ValueError: parallel_state exists with another TP / PP, world not divisible by tp pp,
@@ -299,7 +304,8 @@ class MegatronPolicy:
     head_init = (0.0, 0)  # the value head's (std, seed) without an HF score head (MegatronCritic)
 
     def __init__(self, hf_path: str | Path, *, tp: int = 1, pp: int = 1, optim: OptimConfig | None = None,
-                 dtype: torch.dtype = torch.float32, dp_group=None, recompute: bool = False):
+                 dtype: torch.dtype = torch.float32, dp_group=None, recompute: bool = False,
+                 overlap_grad_reduce: bool | None = None):
         megatron_cpu.apply()
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -321,6 +327,8 @@ class MegatronPolicy:
         self.last_stage = self.stage == pp - 1
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else parallel_state.get_data_parallel_world_size()
         self.optim = optim
+        overlap = torch.cuda.is_available() if overlap_grad_reduce is None else overlap_grad_reduce
+        self.overlap_grad_reduce = overlap and dp_group is None and self.dp > 1
         # full recompute: a layer's activations are recomputed in the backward pass from its input, kept per layer
         recompute_args = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.model, self.layout = build_gpt_model(hf_path, dtype=dtype, head=self.head, head_init_std=self.head_init[0],
@@ -353,9 +361,11 @@ class MegatronPolicy:
 
         if not 0 <= optim.warmup_steps < optim.total_steps:
             raise ValueError(f"need 0 <= warmup_steps < total_steps, got {optim.warmup_steps}, {optim.total_steps}")
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
+                                                   overlap_grad_reduce=self.overlap_grad_reduce)
         self.model = DistributedDataParallel(self.config, ddp_config, self.model)
+        if self.overlap_grad_reduce:  # buckets wait for the last micro-batch's gradients
+            self.config.no_sync_func = self.model.no_sync
         # Sum, not mean: finalise grads (DP all-reduce) without dividing by the token count.
         if self.dp_group is None:
             self.config.finalize_model_grads_func = (
@@ -363,7 +373,7 @@ class MegatronPolicy:
         else:  # TP=1, PP=1: the DP sum of the grad buffers is all that finalising does
             self.config.finalize_model_grads_func = (
                 lambda model, num_tokens=None, **kw: _all_reduce_grad_buffers(model, self.dp_group))
-        if self.tp * self.pp == 1 and self.dp > 1:  # DP ranks on one machine: sum through shared memory
+        if self.tp * self.pp == 1 and self.dp > 1 and not self.overlap_grad_reduce:  # one machine: shared memory
             ranks = dist.get_process_group_ranks(self.dp_group) if self.dp_group is not None else list(
                 range(dist.get_world_size()))
             self.grad_sum = SharedGradSum.build([self.model], mpi_comm(ranks))
@@ -528,6 +538,8 @@ class MegatronPolicy:
         if micro_batches:
             out = self._run(micro_batches, loss_fn, forward_only=False)  # entropy has no grad
         else:  # the zeroed grads join the reduction the schedule would have finished
+            if self.overlap_grad_reduce:
+                self.model.start_grad_sync()  # no backward pass dispatched the buckets
             self.config.finalize_model_grads_func([self.model])
             out = []
         lr = self.optimizer.param_groups[0]["lr"]
