@@ -3,7 +3,8 @@
     pip install --no-build-isolation -e .      # editable: yatt/_C*.so lands in the source tree
 
 Environment: YATT_WITH_CUDA=0|1 overrides CUDA detection (default: on iff the installed torch
-has CUDA); YATT_BUILD_TYPE (default Release); CMAKE_BUILD_PARALLEL_LEVEL caps build jobs.
+has CUDA); YATT_CUDA_ARCHS (e.g. "90") the CUDA targets (default: CMakeLists.txt's, 80 and 90);
+YATT_BUILD_TYPE (default Release); CMAKE_BUILD_PARALLEL_LEVEL caps build jobs.
 CMake keeps its build tree in build/cmake-<python tag>/, so rebuilds are incremental.
 """
 import os
@@ -53,6 +54,7 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DYATT_WITH_CUDA={'ON' if with_cuda() else 'OFF'}",
+            *([f"-DCMAKE_CUDA_ARCHITECTURES={archs}"] if (archs := os.environ.get("YATT_CUDA_ARCHS")) else []),
         ], check=True)
         jobs = ["-j", str(self.parallel)] if self.parallel else []
         subprocess.run([cmake, "--build", str(build_dir), *jobs], check=True)
