@@ -212,6 +212,26 @@ def test_buckets_follow_pipeline_stages():
         megatron_params(layout, pp=3)
 
 
+def test_tp1_sync_keeps_its_copies_and_views_between_runs_and_reads_the_live_weights():
+    """TP=1: gate and up (contiguous rows) are views of fc1, q/k/v copies in a buffer the bucket keeps;
+    a second sync hands out the same tensors, refreshed from the parameters as they are now."""
+    cfg = _config("qwen2", True)
+    hf = _random_hf(cfg)
+    layout = layout_from_hf(cfg, 1)
+    named = [(n, p.clone()) for n, p in hf_to_megatron(hf, layout, 0)]
+    sync = BucketedSync(_Module(named), layout)
+    first = dict(sync)
+    fc1 = dict(named)["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert first["model.layers.0.mlp.gate_proj.weight"].data_ptr() == fc1.data_ptr()  # a view, no copy
+    qkv = dict(named)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    qkv.add_(1.0)  # an optimizer step writes in place
+    second = dict(sync)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert second[q] is first[q]  # the kept buffer's tensor, written again
+    assert torch.equal(second[q], hf[q] + 1.0) and torch.equal(second["model.layers.0.self_attn.k_proj.weight"],
+                                                                 hf["model.layers.0.self_attn.k_proj.weight"] + 1.0)
+
+
 def test_sync_rejects_a_module_of_another_shape():
     cfg = _config("llama", False)
     layout = layout_from_hf(cfg, 2)
