@@ -235,17 +235,10 @@ def _body_ids(mb: dict) -> torch.Tensor:
     return mb["packed_ids"] if _runs_packed(mb) else mb["input_ids"]
 
 
-def _shift_right(x: torch.Tensor) -> torch.Tensor:
-    """[B, T] scores at the predicting position -> at the predicted token (0 at t = 0)."""
-    return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
-
-
 def _at_tokens(x: torch.Tensor, ids: torch.Tensor, select) -> torch.Tensor:
     """Scores at the predicting positions -> fp32 ``[B, T]`` at the tokens they score (0 elsewhere):
-    ``x`` is ``[B, T]`` over every position (``select`` None) or ``[N]`` over the ``select``ed
-    (row, position) pairs (:func:`_scored_positions`), whose next token it scores."""
-    if select is None:
-        return _shift_right(x.float())
+    ``x`` is ``[N]`` over the ``select``ed (row, position) pairs (:func:`_scored_positions`), whose
+    next token it scores."""
     rows, cols = select
     return ids.new_zeros(ids.shape, dtype=torch.float32).index_put((rows, cols + 1), x.float())
 
@@ -401,18 +394,15 @@ class MegatronPolicy:
         makes no host round trip per micro-batch or layer."""
         from yatt.trainer.attention import DocumentAttention
 
-        select = _scored_positions(mb)
-        out = {}
-        if select is not None:
-            rows, cols = select
-            out["_hidden_index"] = (mb["packed_index"][rows, cols] if _runs_packed(mb)
-                                    else cols * mb["input_ids"].shape[0] + rows)
+        rows, cols = select = _scored_positions(mb)
+        out = {"_hidden_index": (mb["packed_index"][rows, cols] if _runs_packed(mb)
+                                 else cols * mb["input_ids"].shape[0] + rows)}
         if "packed_max_lens" in mb:  # ints for the attention kernel, read here rather than on the device
             out["packed_max_lens"] = tuple(int(x) for x in mb["packed_max_lens"].tolist())
         device = self._device
         out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                for k, v in {**mb, **out}.items()}
-        out["_select"] = None if select is None else tuple(x.to(device, non_blocking=True) for x in select)
+        out["_select"] = tuple(x.to(device, non_blocking=True) for x in select)
         if _runs_packed(out):
             out["_plan"] = DocumentAttention.of(out)
         return out
@@ -426,11 +416,11 @@ class MegatronPolicy:
             hooks.append(self.module.rotary_pos_emb.register_forward_hook(packing.rope_at_positions(position_ids)))
         else:
             position_ids, plan = torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None
-        if select is not None and self.last_stage:  # the output layer runs on scored positions only
+        if self.last_stage:  # the output layer runs on scored positions only
             hooks.append(self.module.output_layer.register_forward_pre_hook(
                 partial(_select_hidden, mb["_hidden_index"]), with_kwargs=True))
         try:
-            # last stage: logits [B, T, Vp/tp], or [1, N, Vp/tp] when selected, in the parameter dtype;
+            # last stage: logits [1, N, Vp/tp] at the scored positions, in the parameter dtype;
             # other stages: hidden states for the next stage (input_ids are read by the first stage only)
             logits = model(ids, position_ids, None, packed_seq_params=plan, **self._model_kwargs)
         finally:
@@ -441,13 +431,9 @@ class MegatronPolicy:
     def _loss(self, loss_fn, mb: dict, select, logits: torch.Tensor):
         ids = mb["input_ids"]
         entropy_grad = getattr(loss_fn, "entropy_grad", False)  # an entropy bonus in the loss
-        if select is None:
-            targets = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
-            logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, self.layout.vocab_size, entropy_grad)
-        else:
-            rows, cols = select  # logits at position t score the token at t + 1
-            logprobs, entropy = (x[0] for x in vocab_parallel_logprobs_entropy(
-                logits, ids[rows, cols + 1].unsqueeze(0), self.layout.vocab_size, entropy_grad))
+        rows, cols = select  # logits at position t score the token at t + 1
+        logprobs, entropy = (x[0] for x in vocab_parallel_logprobs_entropy(
+            logits, ids[rows, cols + 1].unsqueeze(0), self.layout.vocab_size, entropy_grad))
         logprobs, entropy = _at_tokens(logprobs, ids, select), _at_tokens(entropy, ids, select)
         loss, stats = loss_fn(logprobs, entropy, mb)
         # (loss, num_tokens, reported): 3 outputs + calculate_per_token_loss -> no rescaling.

@@ -27,8 +27,8 @@ class MegatronCritic(MegatronPolicy):
         super().__init__(hf_path, **kwargs)
 
     def _loss(self, loss_fn, mb: dict, select, out: torch.Tensor):
-        # out: [B, T, 1] at every predicting position, or [1, N, 1] at the selected ones
-        values = _at_tokens(out[..., 0] if select is None else out[0, :, 0], mb["input_ids"], select)
+        # out: [1, N, 1] at the selected predicting positions
+        values = _at_tokens(out[0, :, 0], mb["input_ids"], select)
         loss, stats = loss_fn(values, mb)
         return loss, torch.zeros((), dtype=torch.int), stats
 
