@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from yatt.algos.grpo import masked
 from yatt.algos.token_advantages import token_rewards, whitening_moments
 
 
@@ -38,7 +39,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         ``returns = advantages + values`` on response tokens.
     """
     mask = mask.to(torch.float32)
-    rewards, values = rewards.to(torch.float32) * mask, values.to(torch.float32) * mask
+    rewards, values = masked(rewards.to(torch.float32), mask), masked(values.to(torch.float32), mask)
     adv = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=torch.float32, device=rewards.device)
     next_value = torch.zeros_like(running)  # V after the last response token: terminal
@@ -48,7 +49,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         running = (delta + gamma * lam * running) * m  # 0 past the response: the next row's episode starts fresh
         adv[:, t] = running
         next_value = values[:, t]  # masked: 0 past the response
-    return adv, (adv + values) * mask
+    return adv, masked(adv + values, mask)
 
 
 def gae_advantages(micro_batches: list[dict], beta: float, gamma: float, lam: float, group=None,
@@ -69,7 +70,7 @@ def gae_advantages(micro_batches: list[dict], beta: float, gamma: float, lam: fl
     mean, std = whitening_moments([mb["advantages"] for mb in micro_batches],
                                   [mb["response_mask"] for mb in micro_batches], group)
     for mb in micro_batches:
-        mb["advantages"] = (mb["advantages"] - mean) / (std + eps) * mb["response_mask"]
+        mb["advantages"] = masked((mb["advantages"] - mean) / (std + eps), mb["response_mask"])
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class ValueTerms:
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       clip: float | None) -> ValueTerms:
+                       clip: float | None, mask: torch.Tensor | None = None) -> ValueTerms:
     """PPO's clipped value loss, ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``
     (the PPO2 baselines code of Schulman et al. 2017; Engstrom et al. 2020, sec. 3, "value function
     clipping").
@@ -92,9 +93,13 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
         old_values: float ``[B, T]`` the values computed before this step's updates.
         returns: float ``[B, T]`` the targets (:func:`gae`).
         clip: ``c``; None: the unclipped ``0.5 * (V - R)^2``.
+        mask: bool or 0/1 float ``[B, T]``, the response tokens: the inputs are 0 outside it
+            (selected), so the loss there is 0 and ``values`` gets no gradient (None: every position).
     Returns:
         :class:`ValueTerms` ``[B, T]``.
     """
+    if mask is not None:
+        values, old_values, returns = masked(values, mask), masked(old_values, mask), masked(returns, mask)
     unclipped = (values - returns) ** 2
     if clip is None:
         return ValueTerms(0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool))

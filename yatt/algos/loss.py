@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from yatt.algos.gae import clipped_value_loss
-from yatt.algos.grpo import kl_penalty, masked_sum
+from yatt.algos.grpo import kl_penalty, masked, masked_sum
 from yatt.algos.policy_loss import LOSS_AGGS, POLICY_LOSSES, LossNorm, token_mean
 from yatt.config import AlgoConfig
 
@@ -35,15 +35,15 @@ class PolicyLoss:
         loss = self.agg(terms.loss, mask, self.norm)
         kl = None
         if cfg.kl_coef > 0:
-            kl = kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator)
+            kl = kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator, mask)
             loss = loss + cfg.kl_coef * self.agg(kl, mask, self.norm)
         if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * self.agg(entropy, mask, self.norm)
+            loss = loss - cfg.entropy_coef * self.agg(masked(entropy, mask), mask, self.norm)
         with torch.no_grad():
             stats = {
                 "pg_loss": masked_sum(terms.loss, mask),
                 "kl": masked_sum(kl, mask) if kl is not None else mask.new_zeros(()),
-                "ppo_kl": masked_sum(kl_penalty(logprobs, mb["old_logprobs"], "k3"), mask),
+                "ppo_kl": masked_sum(kl_penalty(logprobs, mb["old_logprobs"], "k3", mask), mask),
                 "clip_frac": masked_sum(terms.clipped.float(), mask),
                 "ratio": masked_sum(terms.ratio, mask),
                 "entropy": masked_sum(entropy, mask),
@@ -70,7 +70,7 @@ class ValueLoss:
 
     def __call__(self, values: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
-        terms = clipped_value_loss(values, mb["values"], mb["returns"], self.clip)
+        terms = clipped_value_loss(values, mb["values"], mb["returns"], self.clip, mask)
         loss = token_mean(terms.loss, mask, self.norm)
         with torch.no_grad():
             stats = {"value_loss": masked_sum(terms.loss, mask), "value_clip_frac": masked_sum(terms.clipped.float(), mask),

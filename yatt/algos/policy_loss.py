@@ -13,8 +13,14 @@ count of the whole mini-batch (:class:`LossNorm`), never by a local one. Registe
 ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO as published), ``seq_mean_token_sum_norm``
 (Dr. GRPO).
 
-Shapes: ``B`` rows (one sequence each), ``T`` positions; ``mask`` float ``[B, T]`` marks the
+Shapes: ``B`` rows (one sequence each), ``T`` positions; ``mask`` 0/1 float ``[B, T]`` marks the
 response tokens; ``advantages`` ``[B, T]`` or ``[B, 1]`` (broadcast over positions).
+
+Numerics: every policy loss bounds its log-ratio before the exp
+(:data:`~yatt.algos.grpo.LOG_RATIO_BOUND`) and every loss and aggregation selects the masked
+positions instead of multiplying by the mask (:func:`~yatt.algos.grpo.masked`), so whatever a
+padded position holds (NaN, inf) the loss and its gradient are those with it zeroed
+(``tests/test_numerics.py``).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt.algos.grpo import clipped_policy_loss, clipped_surrogate
+from yatt.algos.grpo import LOG_RATIO_BOUND, clipped_policy_loss, clipped_surrogate, masked
 
 
 @dataclass(frozen=True)
@@ -87,9 +93,9 @@ def ppo_clip(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     """PPO's clipped surrogate per token, ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``
     with ``r = exp(logprob - old_logprob)`` (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms", eq. 7; decoupled ``cfg.clip_ratio_low``/``clip_ratio_high``: Yu et al. 2025,
-    "DAPO", eq. 10). ``mask`` is unused (the loss is per token)."""
+    "DAPO", eq. 10). Outside ``mask`` the ratio is 1 and ``logprob`` gets no gradient."""
     loss, ratio, clipped = clipped_policy_loss(logprob, old_logprob, advantages, cfg.clip_ratio_low,
-                                               cfg.clip_ratio_high)
+                                               cfg.clip_ratio_high, mask)
     return PolicyTerms(loss, ratio, clipped)
 
 
@@ -114,11 +120,13 @@ def gspo(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
     ``s_i,t = sg[s_i] * exp(logprob_t - sg[logprob_t])`` has the value ``s_i`` and the gradient of
     ``s_i`` times ``d logprob_t``, so ``max(-A s_i,t, -A clip(s_i,t))`` summed as a token mean of
     each sequence is the sequence objective (Zheng et al. 2025, "Group Sequence Policy
-    Optimization", eq. 5-7 and 10-11). The log-ratio is capped at 10 (exp overflow). Pairs with
+    Optimization", eq. 5-7 and 10-11). The log-ratio is bounded to ``[-LOG_RATIO_BOUND, 10]`` (exp
+    overflow; a sequence's mean ratio past e^10 is off-policy beyond any clip). Pairs with
     ``loss_agg=seq_mean_token_mean``."""
+    logprob, old_logprob = masked(logprob, mask), masked(old_logprob, mask)
     lengths = mask.sum(-1, keepdim=True).clamp(min=1.0)
-    seq_log_ratio = ((logprob - old_logprob) * mask).sum(-1, keepdim=True) / lengths
-    log_ratio = (logprob - logprob.detach() + seq_log_ratio.detach()).clamp(max=10.0)
+    seq_log_ratio = (logprob - old_logprob).sum(-1, keepdim=True) / lengths
+    log_ratio = (logprob - logprob.detach() + seq_log_ratio.detach()).clamp(-LOG_RATIO_BOUND, 10.0)
     return PolicyTerms(*clipped_surrogate(torch.exp(log_ratio), advantages, cfg.seq_clip_ratio_low,
                                           cfg.seq_clip_ratio_high))
 
@@ -127,14 +135,14 @@ def gspo(logprob, old_logprob, advantages, mask, cfg) -> PolicyTerms:
 def token_mean(values: torch.Tensor, mask: torch.Tensor, norm: LossNorm) -> torch.Tensor:
     """``sum_tokens(values) / tokens``: every response token of the mini-batch weighs the same
     (Yu et al. 2025, "DAPO", eq. 12, token-level policy gradient loss)."""
-    return (values * mask).sum() / max(norm.tokens, 1.0)
+    return masked(values, mask).sum() / max(norm.tokens, 1.0)
 
 
 @register_loss_agg("seq_mean_token_mean")
 def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, norm: LossNorm) -> torch.Tensor:
     """``mean_seqs(mean_tokens(values))``: each sequence's token mean, then the mean over the
     mini-batch's sequences (Shao et al. 2024, "DeepSeekMath", eq. 3: ``1/G sum_i 1/|o_i| sum_t``)."""
-    per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    per_seq = masked(values, mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
     return per_seq.sum() / max(norm.seqs, 1.0)
 
 
@@ -143,4 +151,4 @@ def seq_mean_token_sum_norm(values: torch.Tensor, mask: torch.Tensor, norm: Loss
     """``sum_tokens(values) / (max_tokens * seqs)``: each sequence's token sum over a constant
     length budget instead of its own length, then the mean over sequences, which removes GRPO's
     length bias (Liu et al. 2025, "Understanding R1-Zero-Like Training", sec. 3.1, Dr. GRPO)."""
-    return (values * mask).sum() / (max(norm.max_tokens, 1.0) * max(norm.seqs, 1.0))
+    return masked(values, mask).sum() / (max(norm.max_tokens, 1.0) * max(norm.seqs, 1.0))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from yatt.algos.grpo import masked
 from yatt.algos.policy_loss import register_in
 
 
@@ -51,7 +52,7 @@ class PairTerms:
 def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-row sum of the masked token logprobs: ``logprobs`` and ``mask`` float ``[B, T]`` ->
     float ``[B]`` (nats)."""
-    return (logprobs * mask).sum(dim=-1)
+    return masked(logprobs, mask).sum(dim=-1)
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, tokens: float) -> torch.Tensor:
@@ -64,13 +65,13 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, tokens: float) -> torch
             :func:`yatt.controller.batch.response_mask`).
         tokens: response tokens of the whole mini-batch (> 0).
     Returns:
-        0-dim: ``-sum(logprobs * mask) / tokens``.
+        0-dim: ``-sum(logprobs where mask) / tokens`` (selected: a NaN outside the mask is left out).
     Raises:
         ValueError: ``tokens <= 0``.
     """
     if tokens <= 0:
         raise ValueError(f"tokens must be > 0, got {tokens}")
-    return -(logprobs * mask).sum() / tokens
+    return -masked(logprobs, mask).sum() / tokens
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> PairTerms:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from yatt.algos.grpo import masked
+
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """``r_t = -beta * KL_t`` on response tokens, plus ``scores`` at each row's last response token.
@@ -28,7 +30,7 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor | None, mask: torch.Ten
         float32 ``[B, T]``, 0 outside the response.
     """
     mask = mask.to(torch.float32)
-    rewards = torch.zeros_like(mask) if kl is None or beta == 0 else -beta * kl.to(torch.float32) * mask
+    rewards = torch.zeros_like(mask) if kl is None or beta == 0 else masked(-beta * kl.to(torch.float32), mask)
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask > 0, positions, -1).amax(-1)  # -1: a row without response tokens
     rows = torch.nonzero(last >= 0).flatten()
@@ -44,13 +46,13 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     Returns:
         float32 ``[B, T]``.
     """
-    rewards = (rewards * mask).to(torch.float32)
+    rewards = masked(rewards.to(torch.float32), mask)
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=torch.float32, device=rewards.device)
     for t in range(rewards.shape[1] - 1, -1, -1):
         running = rewards[:, t] + gamma * running
         returns[:, t] = running
-    return returns * mask
+    return masked(returns, mask)
 
 
 def whitening_moments(values: list[torch.Tensor], masks: list[torch.Tensor], group=None) -> tuple[float, float]:
@@ -64,8 +66,8 @@ def whitening_moments(values: list[torch.Tensor], masks: list[torch.Tensor], gro
     """
     acc = torch.zeros(3, dtype=torch.float64)
     for v, m in zip(values, masks):
-        v, m = v.to(torch.float64), m.to(torch.float64)
-        acc += torch.stack([m.sum(), (v * m).sum(), (v * v * m).sum()])
+        v, m = masked(v.to(torch.float64), m), m.to(torch.float64)
+        acc += torch.stack([m.sum(), v.sum(), (v * v).sum()])
     if dist.is_initialized():
         dist.all_reduce(acc, group=group)
     n, s, sq = acc.tolist()
@@ -90,4 +92,4 @@ def reinforce_pp_advantages(micro_batches: list[dict], beta: float, gamma: float
     mean, std = whitening_moments([mb["returns"] for mb in micro_batches],
                                   [mb["response_mask"] for mb in micro_batches], group)
     for mb in micro_batches:
-        mb["advantages"] = (mb["returns"] - mean) / (std + eps) * mb["response_mask"]
+        mb["advantages"] = masked((mb["returns"] - mean) / (std + eps), mb["response_mask"])

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.algos.gae import gae_advantages
+from yatt.algos.grpo import masked_sum
 from yatt.algos.kl_control import KLController
 from yatt.algos.loss import PolicyLoss, ValueLoss
 from yatt.algos.policy_loss import LossNorm
@@ -36,8 +37,8 @@ def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: 
         for mb, (lp, en) in zip(flat, actor.compute_logprobs(flat)):
             mask = mb["response_mask"]
             mb["old_logprobs"] = lp
-            ent += float((en * mask).sum())
-            diff += float(((lp - mb["rollout_logprobs"]).abs() * mask).sum())
+            ent += float(masked_sum(en, mask))
+            diff += float(masked_sum((lp - mb["rollout_logprobs"]).abs(), mask))
             count += float(mask.sum())
         sums = {"entropy": (ent, count), "logprob_diff_rollout_vs_train": (diff, count)}
     else:
@@ -91,7 +92,7 @@ def finish_advantages(mini_batches: list[list[dict]], cfg: AlgoConfig, dp_group=
     for mb in flat:
         mask = mb["response_mask"].to(torch.float64)
         kl = (mb["old_logprobs"] - mb["ref_logprobs"]).to(torch.float64)
-        acc += torch.stack([(kl * mask).sum(), mask.sum(), torch.tensor(float(mask.shape[0]), dtype=torch.float64)])
+        acc += torch.stack([masked_sum(kl, mask), mask.sum(), torch.tensor(float(mask.shape[0]), dtype=torch.float64)])
     local = acc[:2].tolist()
     if dist.is_initialized():
         dist.all_reduce(acc, group=dp_group)
@@ -107,8 +108,8 @@ def _value_sums(micro_batches: list[dict], dp_group=None) -> dict[str, tuple[flo
     _, std_r = whitening_moments([mb["returns"] for mb in micro_batches], masks, dp_group)
     _, std_d = whitening_moments([mb["returns"] - mb["values"] for mb in micro_batches], masks, dp_group)
     tokens = float(sum(m.sum() for m in masks))
-    return {"values_mean": (float(sum((mb["values"] * mb["response_mask"]).sum() for mb in micro_batches)), tokens),
-            "returns_mean": (float(sum((mb["returns"] * mb["response_mask"]).sum() for mb in micro_batches)), tokens),
+    return {"values_mean": (float(sum(masked_sum(mb["values"], mb["response_mask"]) for mb in micro_batches)), tokens),
+            "returns_mean": (float(sum(masked_sum(mb["returns"], mb["response_mask"]) for mb in micro_batches)), tokens),
             "explained_variance": (1.0 - std_d ** 2 / (std_r ** 2 + 1e-8), 1.0)}
 
 
