@@ -1,12 +1,13 @@
-"""Exact resume of the demo recipe under ``mpirun -np 2``, after a SIGKILL and after a SIGTERM.
+"""Exact resume of the demo recipe under ``mpirun -np 2``, after a SIGKILL and after a Ctrl-C.
 
 One uninterrupted 4-step run is the reference. A second run in another folder is SIGKILLed (every
 process of the job) while the async write of step 2's checkpoint is in flight during step 3's
-rollout and training; ``resume=auto`` must continue from step 1 (the last complete checkpoint),
-and is sent SIGTERM after its first step: it saves, exits with code 75, and a last
-``resume=auto`` finishes the run. Every metric of every step must equal the reference's (CPU runs
-with fixed seeds are deterministic), also across the data's epoch boundary (3 prompts per rank
-and 1 per step: step 4 crosses it).
+rollout and training; meanwhile a second job on the same folder is refused (exit 2, naming the
+holder) and leaves it as it was. ``resume=auto`` must continue from step 1 (the last complete
+checkpoint), and is sent SIGINT (Ctrl-C, which ``mpirun`` forwards) after its first step: it
+saves, exits with code 130, and a last ``resume=auto`` finishes the run. Every metric of every
+step must equal the reference's (CPU runs with fixed seeds are deterministic), also across the
+data's epoch boundary (3 prompts per rank and 1 per step: step 4 crosses it).
 
 The runs use conftest's tiny random policy, since what resumes (weights, Adam moments, RNG
 streams, the data position, the metric files) is the same code for any model. Its answers score
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import kill_job, launch_job, tensorboard_scalars, wait_job
+from conftest import DEMO_ARGS, DEMO_RECIPE, MPIRUN, ROOT, job_env, kill_job, launch_job, tensorboard_scalars, wait_job
 from yatt.preload import runtime_libraries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -70,17 +73,26 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, tiny_pol
     proc = launch_job(run, *args, script="tests/mpi/stalled_checkpoint.py")
     tmp2, done2 = run / "checkpoints" / "step_000002.tmp", run / "checkpoints" / "step_000002"
     assert wait_job(proc, until=lambda: tmp2.is_dir()) is None
+    # meanwhile a second job on the same folder is refused, naming the holder (the end compares every metric)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    second = subprocess.run([str(MPIRUN), "-np", "2", sys.executable, "-m", "yatt.launch", "--config", DEMO_RECIPE,
+                             *DEMO_ARGS, *args, f"output_dir={run}"], cwd=ROOT, env=job_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"output_dir {run} is in use by another YATT job (host " in second.stderr, second.stderr[-3000:]
+    assert (run / "metrics.jsonl").read_bytes().startswith(metrics) and proc.poll() is None  # only the first appends
     kill_job(proc)
     assert not done2.exists() and (run / "checkpoints" / "step_000001" / "meta.json").is_file()
 
-    # 2. resume=auto continues from step 1; SIGTERM once its first step is recorded
+    # 2. resume=auto continues from step 1; Ctrl-C once its first step is recorded
     proc = launch_job(run, *args)
     log = tmp_path / "run.log"
     assert wait_job(proc, until=lambda: "step    2 |" in log.read_text().partition("resumed from")[2]) is None
-    proc.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
-    assert wait_job(proc) == 75, (tmp_path / "run.log").read_text()[-4000:]
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: mpirun forwards it to every rank
+    assert wait_job(proc) == 130, (tmp_path / "run.log").read_text()[-4000:]
     text = log.read_text().partition("resumed from")[2]
     assert "step_000001 (step 1)" in text and "Traceback" not in text  # a clean stop: engines closed first
+    assert "SIGINT received saved step" in text and "exiting with code 130" in text
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest in ("step_000002", "step_000003") and not list((run / "checkpoints").glob("*.tmp"))
 

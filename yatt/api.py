@@ -81,8 +81,10 @@ class Trainer:
         Returns:
             Rank 0's metric records (as in ``metrics.jsonl``); an empty list on other ranks.
         Raises:
-            ConfigError: a bad argument or key; RuntimeError: the job stopped with another exit
-            code (75: a SIGTERM/SIGUSR1 checkpoint was saved; run again to resume).
+            ConfigError: a bad argument, key or path, or the output folder is another job's;
+            RuntimeError: the job stopped with another exit code (75: a SIGTERM/SIGUSR1
+            checkpoint was saved, 130: a Ctrl-C's; run again to resume). KeyboardInterrupt: a
+            second Ctrl-C (the newest committed checkpoint is intact).
         """
         from yatt.launch import execute
 

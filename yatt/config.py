@@ -384,8 +384,10 @@ class CheckpointConfig(_Section):
     every_minutes: float = Field(30.0, ge=0,
         description="save when this many minutes passed since the last save (0: not by time)")
     save_final: bool = Field(True, description="save after the last step")
-    on_signals: list[Literal["SIGTERM", "SIGUSR1"]] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"],
-        description="signals that save and stop the run (exit code 75)")
+    on_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGINT"]] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"],
+        description="signals that stop the run after the step's checkpoint is committed: exit code 75 (SIGTERM, "
+                    "SIGUSR1: requeue and resume) or 130 (SIGINT, Ctrl-C; a second Ctrl-C stops at once)")
     keep_last: int = Field(2, gt=0, description="retention: keep the newest K checkpoints")
     keep_every: int = Field(0, ge=0,
         description="retention: also keep every checkpoint at a multiple of M steps (0: none)")

@@ -28,6 +28,7 @@ if __name__ == "__main__":  # first: this may restart the process with tcmalloc 
 # TP=2 weight sync of Qwen2.5-0.5B 2.9 s instead of 6.9 s.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+from yatt.checkpoint.triggers import EXIT_INTERRUPTED  # noqa: E402
 from yatt.config import ConfigError, load_config  # noqa: E402
 
 
@@ -42,7 +43,7 @@ def _setup_env(threads: int | None) -> None:
 def _check_output_dir(cfg) -> None:
     """Refuse to mix a new run into an old run's metrics.jsonl: the old run is resumed
     (``resume=auto`` with a complete checkpoint there, or an explicit checkpoint path),
-    or replaced (``overwrite=true``), or the job stops here."""
+    or replaced (``overwrite=true``), or the job stops here, saying which and how to go on."""
     from yatt.checkpoint.files import checkpoint_root, find_latest, resolve
 
     if cfg.resume not in ("auto", "none") and not cfg.overwrite:
@@ -52,10 +53,45 @@ def _check_output_dir(cfg) -> None:
             raise ConfigError(f"config key 'resume': {e}") from None
         return
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
-    resumable = cfg.resume == "auto" and find_latest(checkpoint_root(cfg)) is not None
-    if os.path.exists(metrics) and not cfg.overwrite and not resumable:
-        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({metrics}) without a checkpoint to "
-                          "resume from; pick another output_dir or pass overwrite=true")
+    root = checkpoint_root(cfg)
+    resumable = cfg.resume == "auto" and find_latest(root) is not None
+    if not os.path.exists(metrics) or cfg.overwrite or resumable:
+        return
+    unfinished = sorted(root.glob("step_*.tmp")) if root.is_dir() else []
+    how = (f"pass overwrite=true to start it over in {cfg.output_dir} (its metrics and unfinished checkpoints are "
+           "deleted), or pick another output_dir")
+    if unfinished:
+        raise ConfigError(f"output_dir {cfg.output_dir} holds a run that was stopped before its first checkpoint was "
+                          f"committed ({unfinished[-1]} is an unfinished save): nothing of it can be resumed; {how}")
+    why = "with resume=none" if cfg.resume == "none" else "without a checkpoint to resume from"
+    raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({metrics}) {why}; {how}")
+
+
+def _lock_output_dir(cfg, info):
+    """Rank 0 takes the run folder's lock (:class:`yatt.run_lock.RunLock`) for the job's life;
+    every rank learns whether it could (one broadcast). Returns the lock (rank 0) or None.
+
+    Raises:
+        ConfigError: another live job holds it (named), or the folder cannot be written.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from yatt.run_lock import RunLock, RunLocked
+
+    lock, problem = None, ""
+    if info.rank == 0:
+        lock = RunLock(cfg.output_dir)
+        try:
+            lock.acquire()
+        except (RunLocked, OSError) as e:
+            lock, problem = None, str(e)
+    refused = torch.tensor([bool(problem)], dtype=torch.int32)
+    if dist.is_initialized():
+        dist.broadcast(refused, src=0)
+    if refused.item():
+        raise ConfigError(problem or f"output_dir {cfg.output_dir}: rank 0 could not lock it (see rank 0's message)")
+    return lock
 
 
 def _check_model_parallel(cfg, world: int) -> None:
@@ -125,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         _report(e)
         return 2
-    return execute(cfg, require_launcher=not args.standalone)[0]
+    try:
+        return execute(cfg, require_launcher=not args.standalone)[0]
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops after the step's checkpoint)
+        _report(RuntimeError("a second Ctrl-C: stopped at once (the newest committed checkpoint is intact)"))
+        return EXIT_INTERRUPTED
 
 
 def _report(e: Exception) -> None:
@@ -140,18 +180,20 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
     torchrun or one plain process; with ``require_launcher`` a plain process is refused).
 
     Returns:
-        (exit code: 0 done, 2 config error or a checkpoint to resume that does not verify, 75 stopped by SIGTERM/SIGUSR1 (after a checkpoint, or
-        during start-up with nothing to save), 74 the final or a signal's checkpoint could not be
-        written; rank 0's metric records, empty elsewhere).
+        (exit code: 0 done, 2 config error (a bad path, a run folder locked by another job, a
+        checkpoint to resume that does not verify), 75 stopped by SIGTERM/SIGUSR1 and 130 by SIGINT
+        (Ctrl-C) (after a checkpoint, or during start-up with nothing to save), 74 the final or a
+        signal's checkpoint could not be written; rank 0's metric records, empty elsewhere).
     Raises:
-        Whatever the run raises (under MPI a failed rank aborts the whole job first).
+        Whatever the run raises (under MPI a failed rank aborts the whole job first; a second
+        Ctrl-C raises KeyboardInterrupt, or under MPI aborts with 130).
     """
     from yatt import logs
 
     logs.setup(cfg.log.level)  # first: before torch and the libraries are imported
     from yatt.checkpoint.triggers import catch_early, release_early
 
-    catch_early(tuple(cfg.checkpoint.on_signals))  # a SIGTERM while models load ends the job with 75, not 15
+    catch_early(tuple(cfg.checkpoint.on_signals))  # a SIGTERM (Ctrl-C) while models load: exit 75 (130), not 15
     try:
         return _execute(cfg, require_launcher)
     finally:
@@ -160,12 +202,12 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
 
 def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
     """:func:`execute`'s body, run with the start-up signal latch installed."""
-    from yatt import logs
     from yatt.dist import LauncherError, discover
+    from yatt.paths import check_job_paths
 
     try:
         info = discover(require_launcher=require_launcher)
-        _check_output_dir(cfg)
+        check_job_paths(cfg)
         _check_model_parallel(cfg, info.world_size)
         _check_placement(cfg, info)
         _check_estimator(cfg)
@@ -177,6 +219,33 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
     from yatt.dist import init_distributed
 
     info = init_distributed(threads=cfg.threads_per_rank)
+    try:  # one job per run folder, then what that folder holds; nothing has loaded yet
+        lock = _lock_output_dir(cfg, info)
+        _check_output_dir(cfg)
+    except ConfigError as e:
+        _report(e)
+        _end_process_group()
+        return 2, []
+    try:
+        return _run_locked(cfg, info)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _end_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _run_locked(cfg, info) -> tuple[int, list[dict]]:
+    """The job on this rank, once rank 0 holds the run folder's lock: the output folder set up,
+    the watchdog started, the run, and its end mapped to an exit code (:func:`execute`)."""
+    from yatt import logs
+
     logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING,
                         format=f"[yatt r{info.rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("yatt")
@@ -199,7 +268,7 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
 
     from yatt.checkpoint.run_state import CheckpointDamaged
     from yatt.checkpoint.saver import CheckpointWriteError
-    from yatt.checkpoint.triggers import EXIT_PREEMPTED, EXIT_SAVE_FAILED, Preempted
+    from yatt.checkpoint.triggers import EXIT_SAVE_FAILED, Preempted
     from yatt.loop import run
 
     watchdog = None
@@ -213,8 +282,9 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
     try:
         records = run(cfg, info, watchdog)
     except Preempted as e:  # every rank: the checkpoint is committed
-        logging.getLogger("yatt").warning("%s; exiting with code %d (resume=auto continues)", e, EXIT_PREEMPTED)
-        code = EXIT_PREEMPTED
+        logging.getLogger("yatt").warning("%s; exiting with code %d (run the same command again to resume)", e,
+                                          e.exit_code)
+        code = e.exit_code
     except CheckpointWriteError as e:  # every rank: the failed save is agreed on; the job ends cleanly, not 0
         logging.getLogger("yatt").error("%s; exiting with code %d", e, EXIT_SAVE_FAILED)
         code = EXIT_SAVE_FAILED
@@ -222,24 +292,24 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
         if info.rank == 0:
             logging.getLogger("yatt").error("%s; exiting with code 2", e)
         code = 2
-    except BaseException:
+    except BaseException as e:
         if info.world_size > 1 and info.source == "mpi":
             # One failed rank must end the job, not leave its peers blocked in a collective.
             import traceback
 
             from mpi4py import MPI
 
+            if isinstance(e, KeyboardInterrupt):
+                print(f"yatt: rank {info.rank}: a second Ctrl-C, stopping at once (the newest committed checkpoint "
+                      "is intact)", file=sys.stderr, flush=True)
+                MPI.COMM_WORLD.Abort(EXIT_INTERRUPTED)
             traceback.print_exc()
             print(f"yatt: rank {info.rank} failed; aborting the job", file=sys.stderr, flush=True)
             MPI.COMM_WORLD.Abort(1)
         raise
-    import torch.distributed as dist
-
     if watchdog is not None:
         watchdog.stop()  # before the process group (and rank 0's store) goes away
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    _end_process_group()
     return code, records if info.rank == 0 else []
 
 
