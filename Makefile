@@ -43,11 +43,11 @@ $(VENV)/.tcmalloc: $(VENV)/.deps
 demo: setup
 	OMP_NUM_THREADS=1 $(BIN)/mpirun -np $(NP) $(BIN)/python -m yatt.launch --config $(CONFIG) $(ARGS)
 
-# Ends with the 15 slowest tests (README, Tests: where the time goes).
+# Ends with the 15 slowest tests (docs/development.md: where the time goes).
 test: setup
 	$(BIN)/python -m pytest -q --durations=15 tests
 
-# The quick tier for iterating: every test not marked slow (README, Tests).
+# The quick tier for iterating: every test not marked slow (docs/development.md: tests).
 test-quick: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
 

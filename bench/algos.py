@@ -8,7 +8,7 @@ seed, data, model and sample budget (32 responses per rank per step), then reads
 ``metrics.jsonl`` and prints one table: held-out accuracy before and after (greedy, the recipe's
 eval set), the mean reward of the first and last 5 steps, seconds per step (mean over steps 2..N:
 step 1 pays first-call warm-ups) and the peak resident memory of a rank (GiB, the max over phases
-and ranks). The algorithms (README, Algorithms):
+and ranks). The algorithms (docs/algorithms.md):
 
 - grpo: configs/grpo_smollm2.yaml as is (GRPO, DAPO's clip-higher and token-mean loss);
 - dr_grpo: Dr. GRPO's advantage (no std division) and its constant-length aggregation;

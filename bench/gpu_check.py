@@ -10,7 +10,7 @@ layout (tied embeddings) and a tiny random Qwen2 (QKV bias, vocab padding):
 2. one training step: its grad norm against transformers' autograd (relative diff);
 3. ``trainer.packing``'s packed and shared-prompt layouts against padded rows, fp32 (max |diff|,
    asserted within the tests' tolerance): the explicit-mask path of ``yatt.trainer.packing``;
-   Transformer Engine's THD path is not written (see the README).
+   Transformer Engine's THD path is not written (see docs/concepts.md, DP balancing: micro-batches).
 
 Final line: ``gpu_check device=<cuda|cpu> dtype=<...> logprob_max_diff=<...>
 grad_norm_rel_diff=<...> packed_max_diff=<...>``; exits 1 when a value is over its tolerance.

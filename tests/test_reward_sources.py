@@ -98,7 +98,7 @@ def test_math_verify_scores_equal_forms_right_and_others_wrong():
 
 
 def test_math_verify_evaluates_an_expression_it_finds():
-    """What the README warns of: math-verify takes an expression as an answer and compares its value,
+    """What docs/rewards.md warns of: math-verify takes an expression as an answer and compares its value,
     so on an arithmetic task a response that restates the question scores 1 (found in real SmolLM2
     samples on basic_arithmetic); the exact match does not credit it."""
     restated = _items(["Calculate 3 + 4.", "I think it is 3 + 4 but not sure"])

@@ -30,7 +30,7 @@ try:
 except ImportError as exc:  # no silent Python fallback: the kernels must be built
     raise ImportError(
         "yatt._C (the compiled kernels in csrc/) is not built or does not import. Run the "
-        "README's setup (`make setup`), or from the repository root: "
+        "set-up (`make setup`; docs/getting-started.md), or from the repository root: "
         "`pip install --no-build-isolation -e .`"
     ) from exc
 

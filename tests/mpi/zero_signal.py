@@ -7,7 +7,7 @@ through the step loop's own batching (``yatt.controller.experience.balanced_mini
 The suite runs the tiny model (tied embeddings, SmolLM2's vocabulary; ~5 s): the property is the
 batching's and the update's (which rows are trained, the normaliser, the optimizer steps), not the
 model's, and SmolLM2's train steps cost ~50 s more here. With ``smollm2`` the same checks pass on
-the real policy (README, One step: the measured output).
+the real policy (docs/concepts.md, One step: the measured output).
 
 Each rank holds 3 prompts x 2 responses (random tokens, 3-6 and 2-6 long). Each case runs twice
 from the same weights and fresh AdamW moments, with ``algo.skip_zero_signal`` off and on:
