@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from conftest import tensorboard_scalars
+from yatt.config import LogConfig
 from yatt.controller.metrics import MetricsWriter
 from yatt.controller.tensorboard import tag
 
 DEMO = Path(__file__).parent / "data" / "grpo_smollm2_metrics.jsonl"
+TB = LogConfig(trackers=["tensorboard"])
 
 
 def _expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -28,7 +30,7 @@ def _expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 def test_demo_records_read_back_equal(tmp_path):
     records = [json.loads(line) for line in DEMO.read_text().splitlines()]
-    writer = MetricsWriter(tmp_path, rank=0, tensorboard=True)
+    writer = MetricsWriter(tmp_path, rank=0, log=TB)
     for r in records:
         writer.write(r)
     writer.close()
@@ -43,11 +45,11 @@ def test_demo_records_read_back_equal(tmp_path):
 
 
 def test_resume_replaces_the_steps_after_the_checkpoint(tmp_path):
-    first = MetricsWriter(tmp_path, rank=0, tensorboard=True)
+    first = MetricsWriter(tmp_path, rank=0, log=TB)
     for step in range(1, 6):  # the interrupted run got to step 5; its checkpoint is step 2
         first.write({"step": step, "loss": float(step), "lr": float("nan")})
     first.close()
-    resumed = MetricsWriter(tmp_path, rank=0, resume_step=2, tensorboard=True)
+    resumed = MetricsWriter(tmp_path, rank=0, resume_step=2, log=TB)
     for step in (3, 4):
         resumed.write({"step": step, "loss": 10.0 * step})
     resumed.close()
@@ -57,12 +59,12 @@ def test_resume_replaces_the_steps_after_the_checkpoint(tmp_path):
 
 
 def test_fresh_run_drops_an_older_runs_events_and_other_ranks_write_none(tmp_path):
-    old = MetricsWriter(tmp_path, rank=0, tensorboard=True)
+    old = MetricsWriter(tmp_path, rank=0, log=TB)
     old.write({"step": 1, "loss": 1.0, "old_only": 1.0})
     old.close()
-    new = MetricsWriter(tmp_path, rank=0, tensorboard=True)  # overwrite=true, or a fresh output_dir
+    new = MetricsWriter(tmp_path, rank=0, log=TB)  # overwrite=true, or a fresh output_dir
     new.write({"step": 1, "loss": 5.0})
     new.close()
     assert tensorboard_scalars(tmp_path) == {"train/loss": [(1, 5.0)]}
-    MetricsWriter(tmp_path / "r1", rank=1, tensorboard=True).write({"step": 1, "loss": 1.0})
+    MetricsWriter(tmp_path / "r1", rank=1, log=TB).write({"step": 1, "loss": 1.0})
     assert not (tmp_path / "r1").exists()

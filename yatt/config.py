@@ -432,16 +432,63 @@ class DpoConfig(_Section):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="sigmoid only: the chance a preference label is flipped")
 
 
+class WandbConfig(_Section):
+    """Weights & Biases (``wandb`` in ``log.trackers``; the ``wandb`` package): one W&B run per YATT
+    run, continued when the run resumes (its id is kept in <output_dir>/trackers.json)."""
+
+    project: str = Field("yatt", description="W&B project")
+    entity: str | None = Field(None, description="W&B user or team (None: your default entity)")
+    name: str | None = Field(None, description="run name shown by W&B (None: the output_dir's folder name)")
+    tags: list[str] = Field(default_factory=list, description="tags of the W&B run")
+    mode: Literal["online", "offline"] | None = Field(None,
+        description="offline: written to disk only (upload later with `wandb sync <dir>/wandb/offline-run-*`); "
+                    "None: the WANDB_MODE environment variable, else online")
+    dir: str | None = Field(None,
+        description="folder W&B writes its wandb/ folder in (None: output_dir, so <output_dir>/wandb)")
+
+
+class MlflowConfig(_Section):
+    """MLflow (``mlflow`` in ``log.trackers``; the ``mlflow-skinny`` package): one MLflow run per YATT
+    run, continued when the run resumes (its id is kept in <output_dir>/trackers.json)."""
+
+    tracking_uri: str | None = Field(None,
+        description="tracking server or store, e.g. http://host:5000 (None: the file store file:<output_dir>/mlruns; "
+                    "browse it with the full mlflow package: MLFLOW_ALLOW_FILE_STORE=true mlflow ui "
+                    "--backend-store-uri <output_dir>/mlruns)")
+    experiment: str = Field("yatt", description="experiment name (created if missing)")
+    run_name: str | None = Field(None, description="run name (None: the output_dir's folder name)")
+    tags: dict[str, str] = Field(default_factory=dict, description="tags of the MLflow run (name: value)")
+
+
 class LogConfig(_Section):
     """What a run shows and writes besides ``metrics.jsonl`` (rank 0 only)."""
 
-    tensorboard: bool = Field(True,
-        description="also write every metric as a TensorBoard scalar to <output_dir>/tensorboard")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"],
+        description="experiment trackers that get every metric of each step (and the config as the run's "
+                    "parameters): tensorboard (<output_dir>/tensorboard), wandb (log.wandb), mlflow (log.mlflow). "
+                    "A tracker that fails (package missing, bad URI) is disabled with one warning; training "
+                    "goes on. On the command line: 'log.trackers=[tensorboard,wandb,mlflow]'")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow")
     progress: bool = Field(True, description="progress bars: steps, and the samples of each rollout and judging call")
     level: Literal["quiet", "all"] = Field("quiet",
         description="quiet: library warnings that need no action are dropped (listed, each with why, in "
                     "yatt/logs.py: Megatron's Apex notes, vLLM's CPU and Triton notes, torch's C++ warnings); "
                     "all: they show. Other warnings and errors show at both")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tensorboard" in data:
+            raise ValueError("log.tensorboard: replaced by log.trackers, a list: log.trackers=[tensorboard] "
+                             "(true), log.trackers=[] (false)")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "LogConfig":
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"log.trackers: a tracker is listed twice: {self.trackers}")
+        return self
 
 
 class Config(_Section):
@@ -473,7 +520,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
         description="async checkpoints and save points")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="dead and hung ranks")
-    log: LogConfig = Field(default_factory=LogConfig, description="TensorBoard, progress bars and library warnings")
+    log: LogConfig = Field(default_factory=LogConfig, description="experiment trackers (TensorBoard, W&B, MLflow), progress bars and library warnings")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

@@ -93,7 +93,8 @@ def _train(job: Job) -> list[dict]:
     if start >= total:
         log.info("the checkpoint is at step %d of trainer.total_steps=%d: nothing left to train", start, total)
         return []
-    job.writer = MetricsWriter(cfg.output_dir, job.info.rank, resume_step=start, tensorboard=cfg.log.tensorboard)
+    job.writer = MetricsWriter(cfg.output_dir, job.info.rank, resume_step=start, log=cfg.log,
+                               config=cfg.model_dump(mode="json"))
     records = [] if start else _evaluate(job, 0)
     if start:
         job.placement.sync(job.actor)  # the engines serve the resumed policy

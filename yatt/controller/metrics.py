@@ -12,10 +12,14 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from yatt.config import LogConfig
 
 log = logging.getLogger("yatt")
 LOW_MEMORY_FRACTION = 0.05  # of the machine's memory left available: warn before the OOM killer acts
@@ -154,23 +158,25 @@ class MetricsWriter:
     The file is started empty: a run never appends to an older run's records (the launcher
     refuses an output_dir that holds one unless ``overwrite=true`` or it resumes). A run resumed
     from the checkpoint of step ``resume_step`` keeps the records up to that step and drops the
-    later ones (the interrupted run's, which the resumed run writes again). With ``tensorboard``
-    the records also go to ``<output_dir>/tensorboard`` (:mod:`yatt.controller.tensorboard`, same
-    rules).
+    later ones (the interrupted run's, which the resumed run writes again). With ``log`` the
+    records also go to the experiment trackers of ``log.trackers`` (TensorBoard, W&B, MLflow:
+    :mod:`yatt.controller.trackers`), with ``config`` (the resolved config,
+    ``Config.model_dump(mode="json")``) as their run's parameters.
     """
 
-    def __init__(self, output_dir: str | Path, rank: int, resume_step: int = 0, tensorboard: bool = False) -> None:
+    def __init__(self, output_dir: str | Path, rank: int, resume_step: int = 0, log: LogConfig | None = None,
+                 config: dict | None = None) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = rank == 0
-        self.tensorboard = None
+        self.trackers = None
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = _records_up_to(self.path, resume_step) if resume_step and self.path.exists() else []
             self.path.write_text("".join(kept))
-            if tensorboard:
-                from yatt.controller.tensorboard import TensorBoardWriter
+            if log is not None and log.trackers:
+                from yatt.controller.trackers import Trackers
 
-                self.tensorboard = TensorBoardWriter(self.path.parent / "tensorboard", resume_step)
+                self.trackers = Trackers(self.path.parent, resume_step, log, config)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -178,9 +184,9 @@ class MetricsWriter:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean, sort_keys=False) + "\n")
-        if self.tensorboard is not None:
-            self.tensorboard.add(clean)
+        if self.trackers is not None:
+            self.trackers.log(clean)
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.trackers is not None:
+            self.trackers.close()
