@@ -170,6 +170,7 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 DEMO_ARGS = ("trainer.total_steps=4", "trainer.prompts_per_rank=1", "rollout.n=2", "rollout.max_tokens=24",
              "data.train_size=6", "data.eval_size=4", "eval.max_tokens=16", "checkpoint.every_steps=1")
 DEMO_RECIPE = "configs/grpo_smollm2.yaml"
+DEMO_EVAL_SET = "eval.sets=[{name: chain, type: task, task: chain_sum, size: 4}]"  # a named set besides data's
 
 
 def launch_job(out: Path, *extra: str, script: str | None = None) -> subprocess.Popen:
@@ -235,12 +236,14 @@ class DemoRun:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> DemoRun:
     """One run of the demo recipe (:data:`DEMO_ARGS`, 2 steps) on the demo model, started once per
-    session and shared: test_e2e's data-parallel run, test_logs' log. It goes through
+    session and shared: test_e2e's data-parallel run, test_logs' log, test_trackers' three trackers
+    (TensorBoard, W&B offline, an MLflow file store), test_eval_cli's checkpoint and named eval set. It goes through
     ``tests/mpi/planted_warnings.py``, which runs ``yatt.launch.main`` unchanged and then plants two
     warnings that need action (the run's metrics and files are those of ``python -m yatt.launch``)."""
     out = tmp_path_factory.mktemp("demo") / "ref"
     before = _mpich_segments()
-    code = wait_job(launch_job(out, "trainer.total_steps=2", script="tests/mpi/planted_warnings.py"))
+    code = wait_job(launch_job(out, "trainer.total_steps=2", "log.trackers=[tensorboard,wandb,mlflow]",
+                               "log.wandb.mode=offline", DEMO_EVAL_SET, script="tests/mpi/planted_warnings.py"))
     log = (out.parent / "ref.log").read_text()
     assert code == 0, log[-4000:]
     return DemoRun(out, log, _mpich_segments() - before)

@@ -95,15 +95,17 @@ def test_path_checks_name_each_key(tmp_path):
     a_file.write_text("x")
     cfg = load_config(RECIPE, ["data.source=file", f"data.train_files=[{tmp_path / 'missing.jsonl'}]",
                                f"data.eval_files=[{tmp_path}]", f"output_dir={a_file}",
-                               f"checkpoint.dir={a_file / 'ckpt'}"])
+                               f"checkpoint.dir={a_file / 'ckpt'}",
+                               f"eval.sets=[{{name: mine, type: files, files: [{tmp_path / 'gone.jsonl'}]}}]"])
     with pytest.raises(ConfigError) as e:
         check_job_paths(cfg)
     lines = str(e.value).splitlines()
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     assert "'data.train_files[0]'" in lines[0] and "does not exist" in lines[0]
     assert "'data.eval_files[0]'" in lines[1] and "is not a file" in lines[1]
-    assert "'output_dir'" in lines[2] and "is a file, not a folder" in lines[2]
-    assert "'checkpoint.dir'" in lines[3] and "cannot be created" in lines[3]
+    assert "'eval.sets[0].files[0]'" in lines[2] and "does not exist" in lines[2]
+    assert "'output_dir'" in lines[3] and "is a file, not a folder" in lines[3]
+    assert "'checkpoint.dir'" in lines[4] and "cannot be created" in lines[4]
     check_job_paths(load_config(RECIPE, [f"output_dir={tmp_path / 'new' / 'run'}"]))  # to be created: fine
 
 

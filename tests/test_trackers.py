@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import struct
 import sys
 from pathlib import Path
@@ -89,6 +91,8 @@ def _wandb_runs(out: Path) -> list[tuple[str, dict[str, list[tuple[int, float]]]
 
 def _mlflow(out: Path, run_id: str) -> tuple[dict[str, list[tuple[int, float]]], dict]:
     from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as the tracker does in the job's process
 
     client = MlflowClient((out / "mlruns").resolve().as_uri())
     run = client.get_run(run_id)
@@ -177,3 +181,22 @@ def test_config_names_the_key():
     cfg = load_config(None, ["log.trackers=[tensorboard,wandb,mlflow]", "log.wandb.mode=offline"]).log
     assert cfg.trackers == ["tensorboard", "wandb", "mlflow"] and cfg.wandb.mode == "offline"
     assert load_config(None, ["log.trackers=[]"]).log.trackers == []
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_demo_job_logs_the_same_metrics_to_every_tracker(demo_run):
+    """conftest's 2-step demo run (``mpirun -np 2``) had all three trackers: W&B and MLflow hold
+    exactly TensorBoard's scalars (float32 there), the run's config among their parameters."""
+    ids = json.loads((demo_run.out / "trackers.json").read_text())
+    tb = tensorboard_scalars(demo_run.out)
+    assert tb["train/reward_mean"][-1][0] == 2 and "eval/eval_accuracy" in tb
+    [(wandb_id, wandb_history, config)] = _wandb_runs(demo_run.out)
+    mlflow_history, params = _mlflow(demo_run.out, ids["mlflow"])
+    assert wandb_id == ids["wandb"] and config["trainer.total_steps"] == 2 and params["trainer.total_steps"] == "2"
+    for history in (wandb_history, mlflow_history):
+        assert history.keys() == tb.keys()
+        for name, points in tb.items():
+            assert [s for s, _ in history[name]] == [s for s, _ in points], name
+            assert all(math.isclose(v, w, rel_tol=1e-6, abs_tol=1e-30) for (_, v), (_, w) in zip(history[name], points)), name
+    assert "wandb: started run " in demo_run.log and "mlflow: started run " in demo_run.log

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ class Job:
     dp_group: object  # the data-parallel trainers
     ckpt: RunCheckpoints
     writer: MetricsWriter | None = None
+    eval_sets: list = field(default_factory=list)  # (name, this rank's rows, score_fn) of each of eval.sets
 
     @property
     def trains(self) -> bool:
@@ -103,6 +104,7 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     log.info("%s", placement.roles.describe())
     train_rows, eval_rows, eval_total = _load_data(cfg, tokenizer, info, placement.eval_ranks)
+    eval_sets = _load_eval_sets(cfg, tokenizer, info, placement.eval_ranks)
     if stop := early_stop_requested():  # a signal so far: stop before the models and engines load
         raise Preempted(None, stop, saved=False)
     shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
@@ -136,7 +138,8 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                                    if cfg.critic.enabled or cfg.stage == "rm" else {})},
                           critic=critic)
     return Job(cfg, info, phase, tokenizer, scorer, placement, train_rows, eval_rows, eval_total, shard, actor, ref,
-               critic, balancer, guard, critic_guard, estimator, sampler, kl_ctrl, mp_group, dp_group, ckpt)
+               critic, balancer, guard, critic_guard, estimator, sampler, kl_ctrl, mp_group, dp_group, ckpt,
+               eval_sets=eval_sets)
 
 
 def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple:
@@ -206,6 +209,21 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
                         "skipped, no eval record is written", cfg.data.eval_size, cfg.data.eval_files,
                         totals["eval_rows"])
     return train, evals, totals["eval_kept"]
+
+
+def _load_eval_sets(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ...]) -> list[tuple]:
+    """``(name, this rank's rows, score_fn)`` of each of ``eval.sets`` (the shard a run's evals and
+    ``python -m yatt.eval`` use; no rows on ranks outside ``eval_ranks``)."""
+    from yatt.controller.eval_sets import accuracy_score_fn, resolve_sets, set_rows
+
+    if not cfg.eval.sets:
+        return []
+    out = []
+    for s in resolve_sets(cfg, None):
+        rows = (set_rows(s, tokenizer, None, eval_ranks.index(info.rank), len(eval_ranks))
+                if info.rank in eval_ranks else [])
+        out.append((s.name, rows, accuracy_score_fn(cfg, s.task, s.task_config)))
+    return out
 
 
 def _dp_rank(train_group) -> int:

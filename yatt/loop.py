@@ -231,8 +231,13 @@ def _evaluate(job: Job, step: int) -> list[dict]:
     record = {"step": step}
     if job.cfg.stage != "rm":  # the policy's greedy answers (stage rm does not train the policy)
         with job.placement.eval_engine(job.actor) as engine:
-            record.update(evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer,
-                                   job.cfg.eval.max_tokens))
+            e = job.cfg.eval
+            sample = dict(k=e.k, temperature=e.temperature, seed=job.cfg.seed * 1_000_003 + step)
+            record.update(evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer, e.max_tokens,
+                                   **sample))
+            for name, rows, score in job.eval_sets:  # eval.sets: eval_<name>_accuracy, ...
+                record.update(evaluate(engine, rows, score, job.tokenizer, e.max_tokens, prefix=f"eval_{name}_",
+                                       **sample))
     if job.cfg.stage in ("dpo", "rm"):  # the held-out pairs' preference accuracy
         batches = _pair_batches(job, job.eval_rows)[0]
         record.update(global_means(dpo_eval(job.actor, job.ref, batches, job.cfg.dpo) if job.cfg.stage == "dpo"
@@ -240,6 +245,8 @@ def _evaluate(job: Job, step: int) -> list[dict]:
     job.writer.write(record)
     parts = ([f"accuracy {record['eval_accuracy']:.3f} reward {record['eval_reward_mean']:.3f}"]
              if "eval_accuracy" in record else [])
+    if (k := job.cfg.eval.k) > 1 and "eval_accuracy" in record:
+        parts.append(f"mean@{k} {record[f'eval_mean_at_{k}']:.3f} pass@{k} {record[f'eval_pass_at_{k}']:.3f}")
     if "eval_pair_accuracy" in record:
         parts.append(f"pair accuracy {record['eval_pair_accuracy']:.3f} margin {record['eval_reward_margin']:.3f}")
     log.info("eval step %d: %s", step, " ".join(parts))

@@ -10,8 +10,8 @@ from yatt.config import ConfigError
 
 
 def check_job_paths(cfg) -> None:
-    """Check ``cfg``'s data files (``data.train_files``/``eval_files`` with ``data.source=file``),
-    ``output_dir`` and ``checkpoint.dir``.
+    """Check ``cfg``'s data files (``data.train_files``/``eval_files`` with ``data.source=file``,
+    the files of ``eval.sets``), ``output_dir`` and ``checkpoint.dir``.
 
     Raises:
         ConfigError: every problem found, one per line, each naming its key.
@@ -24,6 +24,9 @@ def check_job_paths(cfg) -> None:
         for key in ("train_files", "eval_files"):
             for i, path in enumerate(getattr(cfg.data, key)):
                 problems.append(readable_file(path, f"data.{key}[{i}]"))
+    for i, s in enumerate(cfg.eval.sets):
+        for j, path in enumerate(getattr(s, "files", [])):
+            problems.append(readable_file(path, f"eval.sets[{i}].files[{j}]"))
     problems.append(writable_dir(cfg.output_dir, "output_dir"))
     if cfg.checkpoint.dir:
         problems.append(writable_dir(cfg.checkpoint.dir, "checkpoint.dir"))

@@ -1,26 +1,51 @@
-"""Greedy held-out evaluation: each rank scores its own eval shard, accuracy is reduced."""
+"""Held-out evaluation: each rank scores its own eval shard, the metrics are reduced.
+
+Every prompt gets its greedy answer (``accuracy``); with ``k > 1`` also ``k`` sampled answers, which
+give ``mean@k`` and the unbiased ``pass@j`` (:mod:`yatt.algos.pass_at_k`).
+"""
 from __future__ import annotations
 
+from yatt.algos.pass_at_k import pass_at_k, reported_ks
 from yatt.controller.metrics import global_means
 
 
-def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int) -> dict[str, float]:
-    """Greedy-decode this rank's eval prompts and score them (collective: the reduction).
+def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, temperature: float = 1.0,
+             seed: int | None = None, prefix: str = "eval_") -> dict[str, float]:
+    """Greedy-decode this rank's eval prompts (and sample ``k`` answers each when ``k > 1``) and
+    score them (collective: the reduction).
 
     ``engine`` may be None on a rank without eval prompts (a GenRM-only rank). ``score_fn(rows,
     texts) -> list[float]`` scores the responses (``texts[i]`` answers ``rows[i]``; 1 = correct).
 
+    Args:
+        max_tokens: most response tokens of each answer, greedy and sampled.
+        k: sampled answers per prompt besides the greedy one (1: the greedy answer only).
+        temperature, seed: sampling of the ``k`` answers (``seed``: see ``SamplingSpec``).
+        prefix: prepended to every returned name.
     Returns:
-        ``eval_accuracy`` (fraction with reward exactly 1), ``eval_reward_mean`` and
-        ``eval_response_len_mean`` over all ranks' eval prompts.
+        ``{prefix}accuracy`` (fraction of greedy answers with score exactly 1),
+        ``{prefix}reward_mean`` and ``{prefix}response_len_mean`` (tokens) of the greedy answers
+        over all ranks' eval prompts; with ``k > 1`` also ``{prefix}mean_at_{k}`` (fraction of the
+        sampled answers that are correct) and ``{prefix}pass_at_{j}`` for ``j`` in
+        :func:`~yatt.algos.pass_at_k.reported_ks` (``k`` samples per prompt, unbiased estimator).
     """
     from yatt.rollout.vllm_engine import SamplingSpec
 
-    spec = SamplingSpec(n=1, max_tokens=max_tokens, temperature=0.0)
-    outs = engine.generate([r.prompt_ids for r in rows], spec) if rows else []
-    scores = score_fn(rows, [tokenizer.decode(c.token_ids, skip_special_tokens=True) for (c,) in outs]) if rows else []
+    def answers(spec):
+        outs = engine.generate([r.prompt_ids for r in rows], spec) if rows else []
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in outs for c in group]
+        scores = score_fn([r for r in rows for _ in range(spec.n)], texts) if rows else []
+        return outs, scores
+
+    outs, scores = answers(SamplingSpec(n=1, max_tokens=max_tokens, temperature=0.0))
     n = len(rows)
-    return global_means({
-        "eval_accuracy": (sum(float(r == 1.0) for r in scores), n), "eval_reward_mean": (sum(scores), n),
-        "eval_response_len_mean": (sum(len(c.token_ids) for (c,) in outs), n),
-    })
+    sums = {
+        "accuracy": (sum(float(r == 1.0) for r in scores), n), "reward_mean": (sum(scores), n),
+        "response_len_mean": (sum(len(c.token_ids) for (c,) in outs), n),
+    }
+    if k > 1:
+        _, sampled = answers(SamplingSpec(n=k, max_tokens=max_tokens, temperature=temperature, seed=seed))
+        correct = [sum(s == 1.0 for s in sampled[i * k:(i + 1) * k]) for i in range(n)]
+        sums[f"mean_at_{k}"] = (sum(correct) / k, n)
+        sums.update({f"pass_at_{j}": (sum(pass_at_k(k, c, j) for c in correct), n) for j in reported_ks(k)})
+    return global_means({prefix + name: v for name, v in sums.items()})

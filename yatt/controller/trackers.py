@@ -57,6 +57,9 @@ class WandbTracker:
     """
 
     def __init__(self, output_dir: Path, opts: WandbConfig, params: dict[str, Any], run_id: str | None) -> None:
+        # W&B's own terminal lines (banners, integration tips) would interleave with the job's log;
+        # the run's id and place are logged below. Exported values win.
+        os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
         folder = Path(opts.dir) if opts.dir else output_dir
@@ -64,11 +67,14 @@ class WandbTracker:
         self._run = wandb.init(project=opts.project, entity=opts.entity, name=opts.name or output_dir.resolve().name,
                                tags=opts.tags or None, mode=opts.mode, dir=str(folder), id=run_id,
                                resume="allow" if run_id else None, reinit="create_new",
-                               settings=wandb.Settings(console="off"))  # the job's own log has the output
+                               settings=wandb.Settings(console="off", silent=True))  # the job's log says it
         self._run.config.update(params, allow_val_change=True)
         self._run.define_metric("step", hidden=True)
         self._run.define_metric("*", step_metric="step")
         self.run_id: str | None = self._run.id
+        where = (f"offline in {self._run.dir} (upload: wandb sync {Path(self._run.dir).parent})" if self._run.offline
+                 else self._run.url)
+        log.info("wandb: %s run %s, %s", "continuing" if run_id else "started", self.run_id, where)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self._run.log({"step": step, **values})
@@ -96,10 +102,12 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self._client = client = MlflowClient(uri)
         known: dict[str, str] = {}
+        resumed = False
         if run_id is not None:
             try:
                 known = client.get_run(run_id).data.params
                 client.update_run(run_id, status="RUNNING")
+                resumed = True
             except MlflowException as e:
                 log.warning("mlflow: run %s of %s is not in %s (%s): starting a new run", run_id, STATE_FILE, uri, e)
                 run_id = None
@@ -113,6 +121,7 @@ class MlflowTracker:
         for i in range(0, len(new), MAX_PARAMS_TAGS_PER_BATCH):
             client.log_batch(run_id, params=new[i:i + MAX_PARAMS_TAGS_PER_BATCH])
         self.run_id: str | None = run_id
+        log.info("mlflow: %s run %s in %s", "continuing" if resumed else "started", run_id, uri)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
