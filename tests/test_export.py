@@ -314,6 +314,8 @@ def test_out_dir_is_replaced_only_when_asked_and_never_half_written(small_ckpt, 
     with pytest.raises(FileExistsError, match="not empty"):
         export_checkpoint(root, out)
     assert (out / "stray.txt").exists()
+    with pytest.raises(PermissionError, match=r"OUT_DIR: .*stray.txt is a file, so .* cannot be created under it"):
+        export_checkpoint(root, out / "stray.txt" / "hf")  # before any weight is read
 
     def crash(*args, **kwargs):
         raise OSError("disk full")

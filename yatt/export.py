@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from yatt.checkpoint import files
+from yatt.paths import writable_dir
 from yatt.trainer.hf_mapping import (
     Layout,
     global_param_name,
@@ -196,12 +197,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
             :func:`hf_state_dict`; no ``config.json`` in the model path; a model file that does
             not verify (:func:`yatt.checkpoint.files.verify`: size or CRC-32 differs, missing).
         FileExistsError: ``out_dir`` is a non-empty directory (without ``overwrite``) or a file.
+        PermissionError: ``out_dir`` lies under a file or cannot be written (checked before any weight is read).
     """
     if role not in ("actor", "critic"):
         raise ValueError(f"role must be 'actor' or 'critic', not {role!r}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
+    if problem := writable_dir(out, "out_dir"):  # before any weight is read
+        raise PermissionError(problem.replace("config key 'out_dir'", "OUT_DIR"))
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty (pass --overwrite to replace it)")
     step = files.resolve(checkpoint)
