@@ -5,7 +5,7 @@ give ``mean@k`` and the unbiased ``pass@j`` (:mod:`yatt.algos.pass_at_k`).
 """
 from __future__ import annotations
 
-from yatt.algos.pass_at_k import pass_at_k, reported_ks
+from yatt.algos.pass_at_k import mean_at_k, pass_at_k, reported_ks
 from yatt.controller.metrics import global_means
 
 
@@ -45,7 +45,7 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
     }
     if k > 1:
         _, sampled = answers(SamplingSpec(n=k, max_tokens=max_tokens, temperature=temperature, seed=seed))
-        correct = [sum(s == 1.0 for s in sampled[i * k:(i + 1) * k]) for i in range(n)]
-        sums[f"mean_at_{k}"] = (sum(correct) / k, n)
-        sums.update({f"pass_at_{j}": (sum(pass_at_k(k, c, j) for c in correct), n) for j in reported_ks(k)})
+        correct = [[s == 1.0 for s in sampled[i * k:(i + 1) * k]] for i in range(n)]  # per prompt, its k answers
+        sums[f"mean_at_{k}"] = (sum(mean_at_k(c) for c in correct), n)
+        sums.update({f"pass_at_{j}": (sum(pass_at_k(k, sum(c), j) for c in correct), n) for j in reported_ks(k)})
     return global_means({prefix + name: v for name, v in sums.items()})
