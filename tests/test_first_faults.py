@@ -18,7 +18,7 @@ from yatt.checkpoint.triggers import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted
 from yatt.config import ConfigError, load_config
 from yatt.launch import _check_output_dir
 from yatt.paths import check_job_paths
-from yatt.run_lock import RunLock, RunLocked
+from yatt.run_lock import RunLock, RunLocked, check_free
 
 RECIPE = "configs/grpo_smollm2.yaml"
 
@@ -71,11 +71,15 @@ def test_ctrl_c_during_start_up_is_recorded_not_fatal():
 
 
 def test_the_run_lock_is_exclusive_names_its_holder_and_dies_with_it(tmp_path):
+    check_free(tmp_path / "run")  # no lock file: free
     first = RunLock(tmp_path / "run")
     first.acquire()
-    with pytest.raises(RunLocked, match=rf"in use by another YATT job \(host \S+, pid {os.getpid()}, started 20"):
-        RunLock(tmp_path / "run").acquire()
+    for ask in (RunLock(tmp_path / "run").acquire, lambda: check_free(tmp_path / "run")):
+        with pytest.raises(RunLocked, match=rf"another YATT job \(host \S+, rank 0's pid {os.getpid()}, started 20"):
+            ask()
     first.release()
+    check_free(tmp_path / "run")  # the probe takes nothing: free after, also to a second probe
+    check_free(tmp_path / "run")
     RunLock(tmp_path / "run").acquire()  # released: free again (and the second one's fd closes with it)
 
     # a holder killed by SIGKILL leaves no stale lock: the kernel drops flock with the process

@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 def _report(e: Exception) -> None:
     rank = next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID")
                  if k in os.environ), "0")
-    if rank == "0":  # once per job, not per rank
-        print(f"yatt: {e}", file=sys.stderr)
+    if rank == "0":  # once per job, not per rank; every line of a multi-line error prefixed
+        print("\n".join(f"yatt: {line}" for line in str(e).splitlines()), file=sys.stderr)
 
 
 def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
@@ -205,13 +205,17 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
     from yatt.dist import LauncherError, discover
     from yatt.paths import check_job_paths
 
+    from yatt.run_lock import RunLocked, check_free
+
     try:
         info = discover(require_launcher=require_launcher)
         check_job_paths(cfg)
+        check_free(cfg.output_dir)  # another job's folder: said before torch starts (rank 0 locks it below)
+        _check_output_dir(cfg)
         _check_model_parallel(cfg, info.world_size)
         _check_placement(cfg, info)
         _check_estimator(cfg)
-    except (ConfigError, LauncherError) as e:
+    except (ConfigError, LauncherError, RunLocked) as e:
         _report(e)
         return 2, []
 
@@ -219,7 +223,7 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
     from yatt.dist import init_distributed
 
     info = init_distributed(threads=cfg.threads_per_rank)
-    try:  # one job per run folder, then what that folder holds; nothing has loaded yet
+    try:  # one job per run folder (a job that started meanwhile loses here), then again what it holds
         lock = _lock_output_dir(cfg, info)
         _check_output_dir(cfg)
     except ConfigError as e:
@@ -282,8 +286,8 @@ def _run_locked(cfg, info) -> tuple[int, list[dict]]:
     try:
         records = run(cfg, info, watchdog)
     except Preempted as e:  # every rank: the checkpoint is committed
-        logging.getLogger("yatt").warning("%s; exiting with code %d (run the same command again to resume)", e,
-                                          e.exit_code)
+        if info.rank == 0:
+            log.warning("%s; exiting with code %d (run the same command again to resume)", e, e.exit_code)
         code = e.exit_code
     except CheckpointWriteError as e:  # every rank: the failed save is agreed on; the job ends cleanly, not 0
         logging.getLogger("yatt").error("%s; exiting with code %d", e, EXIT_SAVE_FAILED)

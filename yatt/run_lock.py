@@ -48,8 +48,7 @@ class RunLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise RunLocked(f"output_dir {self.path.parent} is in use by another YATT job ({holder}); one job per "
-                            "run folder: wait for that job to end or stop it, or pick another output_dir") from None
+            raise RunLocked(_refusal(self.path.parent, holder)) from None
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}).encode()
         os.ftruncate(fd, 0)
@@ -63,10 +62,37 @@ class RunLock:
             self._fd = None
 
 
+def check_free(output_dir: str | Path) -> None:
+    """Whether another job holds ``output_dir``'s lock, asked without taking it: a shared
+    ``flock`` probe, which conflicts only with a holder's exclusive lock, so every rank of a
+    job may ask at once (before rank 0 takes the lock with :meth:`RunLock.acquire`).
+
+    Raises:
+        RunLocked: another process holds it; the message names the holder and ``output_dir``.
+    """
+    path = Path(output_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file (or none readable): no job has held this folder
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunLocked(_refusal(path.parent, _holder(fd))) from None
+    finally:
+        os.close(fd)  # drops the probe's shared lock, if taken
+
+
+def _refusal(output_dir: Path, holder: str) -> str:
+    return (f"output_dir {output_dir} is in use by another YATT job ({holder}); one job per run folder: wait "
+            "for that job to end or stop it (its mpirun, srun or batch job; SIGINT or SIGTERM saves first), or "
+            "pick another output_dir")
+
+
 def _holder(fd: int) -> str:
     """``host H, pid P, started T`` from the lock file, or what is known when it cannot be read."""
     try:
         rec = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"host {rec['host']}, pid {rec['pid']}, started {rec['started']}"
+        return f"host {rec['host']}, rank 0's pid {rec['pid']}, started {rec['started']}"
     except (OSError, ValueError, KeyError):
         return "holder not recorded yet"

@@ -108,8 +108,10 @@ def _value_sums(micro_batches: list[dict], dp_group=None) -> dict[str, tuple[flo
     _, std_r = whitening_moments([mb["returns"] for mb in micro_batches], masks, dp_group)
     _, std_d = whitening_moments([mb["returns"] - mb["values"] for mb in micro_batches], masks, dp_group)
     tokens = float(sum(m.sum() for m in masks))
-    return {"values_mean": (float(sum(masked_sum(mb["values"], mb["response_mask"]) for mb in micro_batches)), tokens),
-            "returns_mean": (float(sum(masked_sum(mb["returns"], mb["response_mask"]) for mb in micro_batches)), tokens),
+    def total(key: str) -> float:
+        return float(sum(masked_sum(mb[key], mb["response_mask"]) for mb in micro_batches))
+
+    return {"values_mean": (total("values"), tokens), "returns_mean": (total("returns"), tokens),
             "explained_variance": (1.0 - std_d ** 2 / (std_r ** 2 + 1e-8), 1.0)}
 
 

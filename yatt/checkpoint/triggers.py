@@ -43,8 +43,9 @@ class Preempted(Exception):
     def __init__(self, step: int | None, signal_name: str, saved: bool = True):
         done = ("no step done in this job" if step is None else f"the run resumes from step {step}" if step
                 else "no step done")
-        what = f"saved step {step} and stopped" if saved else f"during start-up, nothing to save yet ({done}); stopped"
-        super().__init__(f"{signal_name} received {what}")
+        what = (f": saved step {step} and stopped" if saved
+                else f" during start-up, nothing to save yet ({done}); stopped")
+        super().__init__(f"{signal_name} received{what}")
         self.step, self.signal_name, self.saved = step, signal_name, saved
         self.exit_code = exit_code(signal_name)
 
