@@ -295,6 +295,14 @@ class AlgoConfig(_Section):
         description="leave samples whose advantage is exactly 0 out of the logprob and train passes when nothing "
                     "else in the loss reads them (an outcome estimator, kl_coef 0, entropy_coef 0); they still count in "
                     "the loss normaliser, so the update is the full batch's (yatt/algos/zero_signal.py)")
+    rollout_correction: Literal["none", "tis", "mis_token", "mis_seq"] = Field("none",
+        description="importance sampling between the engine that sampled (rollout logprobs) and the trainer's old "
+                    "logprobs, r = pi_old / pi_rollout, weighting each token's policy loss (yatt/algos/"
+                    "rollout_correction.py; Yao et al. 2025): none; tis (min(r, cap)); mis_token (r inside "
+                    "[1/cap, cap], else the token is dropped); mis_seq (the sequence's ratio, the sequence dropped "
+                    "outside [1/cap, cap]). Needs recompute_old_logprobs")
+    rollout_correction_cap: float = Field(2.0, gt=1,
+        description="C of algo.rollout_correction: tis truncates at C, mis_* keep ratios in [1/C, C]")
 
 
 class CriticConfig(_Section):
@@ -624,6 +632,12 @@ class Config(_Section):
             if not read and getattr(a, key) != type(a).model_fields[key].default:  # meant for another algorithm
                 raise ValueError(f"algo.{key}: read by {reader} only, not policy_loss={a.policy_loss}, "
                                  f"estimator={est}")
+        if a.rollout_correction != "none" and not a.recompute_old_logprobs:
+            raise ValueError(f"algo.rollout_correction: {a.rollout_correction} weighs pi_old / pi_rollout, which is 1 "
+                             "when the old logprobs are the rollout's; set algo.recompute_old_logprobs=true")
+        if a.rollout_correction == "none" and "rollout_correction_cap" in a.model_fields_set:
+            raise ValueError("algo.rollout_correction_cap: read by algo.rollout_correction tis, mis_token or mis_seq "
+                             "only, not none")
         c = self.critic
         if est == "gae" and not c.enabled:
             raise ValueError("algo.estimator: gae needs the critic's values; set critic.enabled=true")

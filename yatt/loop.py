@@ -24,7 +24,8 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from yatt.algos.update import compute_logprobs, compute_values, critic_update, finish_advantages, policy_update
+from yatt.algos.update import (compute_logprobs, compute_values, critic_update, finish_advantages, policy_update,
+                               rollout_correction)
 from yatt.checkpoint.run_state import CheckpointDamaged, RunCheckpoints
 from yatt.checkpoint.saver import CheckpointWriteError
 from yatt.checkpoint.triggers import Preempted
@@ -137,6 +138,7 @@ def _rl_phases(job: Job, step: int, timer: PhaseTimer, sums: dict) -> None:
     mini_batches, skipped = rl_experience(job, groups, rewards, timer, sums)
     with timer("logprob"):
         logprob_sums = compute_logprobs(job.actor, job.ref, mini_batches, cfg.algo.recompute_old_logprobs)
+        sums.update(rollout_correction(mini_batches, cfg.algo))  # IS weights of the rollout vs the trainer
         if job.critic is not None:
             compute_values(job.critic, mini_batches)
         sums.update(finish_advantages(mini_batches, cfg.algo, job.dp_group, job.kl_ctrl))  # token-level stage

@@ -6,7 +6,7 @@ import torch
 
 from yatt.algos.gae import clipped_value_loss
 from yatt.algos.grpo import kl_penalty, masked, masked_sum
-from yatt.algos.policy_loss import LOSS_AGGS, POLICY_LOSSES, LossNorm, token_mean
+from yatt.algos.policy_loss import LOSS_AGGS, POLICY_LOSSES, LossNorm, PolicyTerms, token_mean
 from yatt.config import AlgoConfig
 
 
@@ -17,7 +17,9 @@ class PolicyLoss:
     across micro-batches and data-parallel ranks, so the summed gradient is the mini-batch's.
 
     Micro-batch keys read: ``response_mask``, ``old_logprobs``, ``rollout_logprobs``,
-    ``advantages`` (``[B, 1]`` or ``[B, T]``), and ``ref_logprobs`` when ``kl_coef > 0``. Stats
+    ``advantages`` (``[B, 1]`` or ``[B, T]``), ``ref_logprobs`` when ``kl_coef > 0``, and
+    ``is_weights`` ``[B, T]`` when present (``algo.rollout_correction``: the policy loss of each
+    token is multiplied by it). Stats
     returned are sums over response tokens: ``pg_loss``, ``kl``, ``ppo_kl``, ``clip_frac``,
     ``ratio``, ``entropy``, ``tokens``, and, with ``on_policy`` (weights not yet updated this
     step), ``logprob_diff_rollout_vs_train`` and ``diff_tokens``. ``entropy_grad`` tells the
@@ -32,6 +34,8 @@ class PolicyLoss:
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
         cfg, mask = self.cfg, mb["response_mask"]
         terms = self.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, cfg)
+        if "is_weights" in mb:  # algo.rollout_correction: pi_old / pi_rollout, truncated or masked (no grad)
+            terms = PolicyTerms(terms.loss * mb["is_weights"], terms.ratio, terms.clipped)
         loss = self.agg(terms.loss, mask, self.norm)
         kl = None
         if cfg.kl_coef > 0:

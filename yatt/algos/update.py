@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from yatt.algos.gae import gae_advantages
-from yatt.algos.grpo import masked_sum
+from yatt.algos.grpo import kl_penalty, masked, masked_sum
 from yatt.algos.kl_control import KLController
 from yatt.algos.loss import PolicyLoss, ValueLoss
 from yatt.algos.policy_loss import LossNorm
+from yatt.algos.rollout_correction import correction_for
 from yatt.algos.token_advantages import reinforce_pp_advantages, whitening_moments
 from yatt.config import TOKEN_ESTIMATORS, AlgoConfig, CriticConfig
 
@@ -47,6 +48,42 @@ def compute_logprobs(actor, ref, mini_batches: list[list[dict]], recompute_old: 
     if ref is not None:
         for mb, (lp, _) in zip(flat, ref.compute_logprobs(flat)):
             mb["ref_logprobs"] = lp
+    return sums
+
+
+def rollout_correction(mini_batches: list[list[dict]], cfg: AlgoConfig) -> dict[str, tuple[float, float]]:
+    """Weigh each token's policy loss by ``cfg.rollout_correction`` of its old and rollout logprobs
+    (:mod:`yatt.algos.rollout_correction`; fixed for the step: both are known before the update):
+    writes ``is_weights`` ``[B, T]`` into every micro-batch unless the correction is ``none``.
+
+    Returns:
+        (sum, count) pairs over response tokens: ``rollout_kl`` (k3 estimate of
+        KL(pi_rollout || pi_old) from the rollout's samples: the engine/trainer mismatch plus any
+        staleness), and with a correction ``is_weight_mean`` (the applied weight),
+        ``is_ratio_max`` (this rank's largest ratio; the step's record holds the max over ranks)
+        and ``is_corrected_frac`` (tokens truncated or dropped). ``{}`` when the old logprobs are
+        the rollout's (nothing to compare).
+    """
+    if not cfg.recompute_old_logprobs:
+        return {}
+    fn = correction_for(cfg.rollout_correction)
+    kl = weight = corrected = tokens = 0.0
+    ratio_max = 0.0
+    for mb in (mb for mbs in mini_batches for mb in mbs):
+        mask = mb["response_mask"]
+        kl += float(masked_sum(kl_penalty(mb["rollout_logprobs"], mb["old_logprobs"], "k3", mask), mask))
+        tokens += float(mask.sum())
+        if cfg.rollout_correction == "none":
+            continue
+        c = fn(mb["old_logprobs"], mb["rollout_logprobs"], mask, cfg.rollout_correction_cap)
+        mb["is_weights"] = c.weights
+        weight += float(c.weights.sum())
+        corrected += float(c.corrected.sum())
+        ratio_max = max(ratio_max, float(masked(c.ratio, mask).max()) if c.ratio.numel() else 0.0)
+    sums = {"rollout_kl": (kl, tokens)}
+    if cfg.rollout_correction != "none":
+        sums.update({"is_weight_mean": (weight, tokens), "is_ratio_max": (ratio_max, 1.0),
+                     "is_corrected_frac": (corrected, tokens)})
     return sums
 
 
