@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 _MPI_KEYS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 
@@ -208,3 +209,19 @@ def init_distributed(threads: int | None = None, timeout_s: float = 600.0) -> Ra
         dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
                                 timeout=timedelta(seconds=timeout_s))
     return info
+
+
+def abort_job(message: str, code: int = 1, traceback: bool = True) -> NoReturn:
+    """End every rank of this MPI job now (``MPI.COMM_WORLD.Abort``): one failed rank must end the
+    job, not leave its peers blocked in a collective. Prints the exception being handled (with
+    ``traceback``) and ``message`` to stderr first. Call from an ``except`` block of a rank of a
+    multi-rank MPI job."""
+    from mpi4py import MPI
+
+    if traceback:
+        import traceback as tb
+
+        tb.print_exc()
+    print(message, file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(code)
+    raise SystemExit(code)  # not reached: Abort ends the process

@@ -31,7 +31,7 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from yatt.config import Config, ConfigError, load_config  # noqa: E402
-from yatt.controller.eval_sets import EvalSet, accuracy_score_fn, resolve_sets, set_rows  # noqa: E402
+from yatt.controller.eval_sets import EvalSet, resolve_sets, shard_sets  # noqa: E402
 
 log = logging.getLogger("yatt")
 
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             from yatt.paths import writable_dir
 
-            if problem := writable_dir(Path(args.json).expanduser().absolute().parent, "--json"):
-                raise ConfigError(problem.replace("config key '--json'", "--json"))
+            if problem := writable_dir(Path(args.json).expanduser().absolute().parent, "--json", option=True):
+                raise ConfigError(problem)
     except ConfigError as e:
         _report(e)
         return 2
@@ -91,11 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
-            import traceback  # one failed rank ends the job, not its peers blocked in a collective
+            from yatt.dist import abort_job
 
-            traceback.print_exc()
-            print(f"yatt.eval: rank {mpi.COMM_WORLD.Get_rank()} failed; aborting the job", file=sys.stderr, flush=True)
-            mpi.COMM_WORLD.Abort(1)
+            abort_job(f"yatt.eval: rank {mpi.COMM_WORLD.Get_rank()} failed; aborting the job")
         raise
     return 0
 
@@ -167,6 +165,7 @@ def run(cfg: Config, source: ModelSource, sets: list[EvalSet], limit: int | None
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from yatt.assets.model import resolve_model_once
     from yatt.controller.evaluate import evaluate
     from yatt.controller.metrics import global_means
     from yatt.dist import init_distributed
@@ -175,12 +174,11 @@ def run(cfg: Config, source: ModelSource, sets: list[EvalSet], limit: int | None
     info = init_distributed(threads=cfg.threads_per_rank)
     logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING,
                         format=f"[yatt r{info.rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    base = _resolve_once(source.base, info.rank)
+    base = resolve_model_once(source.base, info.rank)
     log.info("eval: %s%s on %s over %d rank(s), k=%d", base, f" with the weights of {source.checkpoint}"
              if source.checkpoint else "", ", ".join(s.name for s in sets), info.world_size, cfg.eval.k)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    shards = [(s, set_rows(s, tokenizer, limit, info.rank, info.world_size), accuracy_score_fn(cfg, s.task, s.task_config))
-              for s in sets]
+    shards = shard_sets(cfg, sets, tokenizer, info.rank, info.world_size, limit)
     # the engine of a run's rollout (yatt.job.build_job), so that greedy answers are the same
     engine = VLLMEngine(str(base), tp=cfg.rollout.tp, max_model_len=cfg.rollout.max_model_len,
                         kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes, seed=cfg.seed * 7919 + info.rank,
@@ -212,18 +210,6 @@ def run(cfg: Config, source: ModelSource, sets: list[EvalSet], limit: int | None
         dist.barrier()
         dist.destroy_process_group()
     return report
-
-
-def _resolve_once(name: str, rank: int) -> Path:
-    """Rank 0 materialises a packaged model; the others wait, then use the finished cache."""
-    import torch.distributed as dist
-
-    from yatt.assets.model import resolve_model
-
-    path = resolve_model(name) if rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
-    return path if rank == 0 else resolve_model(name)
 
 
 def format_table(results: dict[str, dict]) -> str:

@@ -204,8 +204,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
-    if problem := writable_dir(out, "out_dir"):  # before any weight is read
-        raise PermissionError(problem.replace("config key 'out_dir'", "OUT_DIR"))
+    if problem := writable_dir(out, "OUT_DIR", option=True):  # before any weight is read
+        raise PermissionError(problem)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty (pass --overwrite to replace it)")
     step = files.resolve(checkpoint)

@@ -16,11 +16,12 @@ from yatt.algos.estimators import estimator_for, group_informative
 from yatt.algos.guard import StabilityGuard
 from yatt.algos.kl_control import KLController
 from yatt.assets.data import load_prompts
-from yatt.assets.model import resolve_model
+from yatt.assets.model import resolve_model_once
 from yatt.checkpoint.run_state import RunCheckpoints, StatsPart
 from yatt.checkpoint.triggers import Preempted, early_stop_requested
 from yatt.config import Config
 from yatt.controller.dynamic_sampling import DynamicSampler
+from yatt.controller.eval_sets import resolve_sets, shard_sets
 from yatt.controller.metrics import MetricsWriter, global_means
 from yatt.controller.rebalance import DpBalancer
 from yatt.controller.shard import PromptShard
@@ -60,7 +61,7 @@ class Job:
     dp_group: object  # the data-parallel trainers
     ckpt: RunCheckpoints
     writer: MetricsWriter | None = None
-    eval_sets: list = field(default_factory=list)  # (name, this rank's rows, score_fn) of each of eval.sets
+    eval_sets: list = field(default_factory=list)  # (set, this rank's rows, score_fn) of each of eval.sets
 
     @property
     def trains(self) -> bool:
@@ -87,10 +88,10 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
     from yatt.rollout.vllm_engine import VLLMEngine
     from yatt.trainer.actor import init_parallel_state
 
-    model_path = _resolve_model_once(cfg.model.path, info)
-    critic_path = _resolve_model_once(cfg.critic.model, info) if cfg.critic.model else model_path
+    model_path = resolve_model_once(cfg.model.path, info.rank)
+    critic_path = resolve_model_once(cfg.critic.model, info.rank) if cfg.critic.model else model_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    judge_path = _resolve_model_once(cfg.reward.judge_model, info) if cfg.reward.judge else None
+    judge_path = resolve_model_once(cfg.reward.judge_model, info.rank) if cfg.reward.judge else None
     bars = info.rank == 0 and cfg.log.progress  # progress bars on rank 0
     scorer = StepScorer(cfg.reward, cfg.data.task, cfg.data.task_config, judge_path,
                         progress="genrm" if bars else None)
@@ -104,7 +105,9 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     log.info("%s", placement.roles.describe())
     train_rows, eval_rows, eval_total = _load_data(cfg, tokenizer, info, placement.eval_ranks)
-    eval_sets = _load_eval_sets(cfg, tokenizer, info, placement.eval_ranks)
+    eval_rank = placement.eval_ranks.index(info.rank) if info.rank in placement.eval_ranks else None
+    eval_sets = shard_sets(cfg, resolve_sets(cfg, None), tokenizer, eval_rank, len(placement.eval_ranks)) \
+        if cfg.eval.sets else []
     if stop := early_stop_requested():  # a signal so far: stop before the models and engines load
         raise Preempted(None, stop, saved=False)
     shard = PromptShard(train_rows, cfg.trainer.prompts_per_rank, seed=cfg.seed * 7919 + info.rank)
@@ -177,15 +180,6 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     return actor, ref, critic
 
 
-def _resolve_model_once(name: str, info: RankInfo):
-    """Rank 0 materialises a packaged model; the others wait, then use the finished cache."""
-    if info.rank == 0:
-        path = resolve_model(name)
-    if dist.is_initialized():
-        dist.barrier()
-    return path if info.rank == 0 else resolve_model(name)
-
-
 def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ...]):
     """This rank's train stream (every rank draws prompts; read lazily, never materialised) and
     eval rows (a small held-out list, over ``eval_ranks``). Train rows are validated as they are
@@ -209,21 +203,6 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
                         "skipped, no eval record is written", cfg.data.eval_size, cfg.data.eval_files,
                         totals["eval_rows"])
     return train, evals, totals["eval_kept"]
-
-
-def _load_eval_sets(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ...]) -> list[tuple]:
-    """``(name, this rank's rows, score_fn)`` of each of ``eval.sets`` (the shard a run's evals and
-    ``python -m yatt.eval`` use; no rows on ranks outside ``eval_ranks``)."""
-    from yatt.controller.eval_sets import accuracy_score_fn, resolve_sets, set_rows
-
-    if not cfg.eval.sets:
-        return []
-    out = []
-    for s in resolve_sets(cfg, None):
-        rows = (set_rows(s, tokenizer, None, eval_ranks.index(info.rank), len(eval_ranks))
-                if info.rank in eval_ranks else [])
-        out.append((s.name, rows, accuracy_score_fn(cfg, s.task, s.task_config)))
-    return out
 
 
 def _dp_rank(train_group) -> int:

@@ -298,18 +298,12 @@ def _run_locked(cfg, info) -> tuple[int, list[dict]]:
         code = 2
     except BaseException as e:
         if info.world_size > 1 and info.source == "mpi":
-            # One failed rank must end the job, not leave its peers blocked in a collective.
-            import traceback
-
-            from mpi4py import MPI
+            from yatt.dist import abort_job
 
             if isinstance(e, KeyboardInterrupt):
-                print(f"yatt: rank {info.rank}: a second Ctrl-C, stopping at once (the newest committed checkpoint "
-                      "is intact)", file=sys.stderr, flush=True)
-                MPI.COMM_WORLD.Abort(EXIT_INTERRUPTED)
-            traceback.print_exc()
-            print(f"yatt: rank {info.rank} failed; aborting the job", file=sys.stderr, flush=True)
-            MPI.COMM_WORLD.Abort(1)
+                abort_job(f"yatt: rank {info.rank}: a second Ctrl-C, stopping at once (the newest committed "
+                          "checkpoint is intact)", EXIT_INTERRUPTED, traceback=False)
+            abort_job(f"yatt: rank {info.rank} failed; aborting the job")
         raise
     if watchdog is not None:
         watchdog.stop()  # before the process group (and rank 0's store) goes away

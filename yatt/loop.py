@@ -237,8 +237,8 @@ def _evaluate(job: Job, step: int) -> list[dict]:
             sample = dict(k=e.k, temperature=e.temperature, seed=job.cfg.seed * 1_000_003 + step)
             record.update(evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer, e.max_tokens,
                                    **sample))
-            for name, rows, score in job.eval_sets:  # eval.sets: eval_<name>_accuracy, ...
-                record.update(evaluate(engine, rows, score, job.tokenizer, e.max_tokens, prefix=f"eval_{name}_",
+            for s, rows, score in job.eval_sets:  # eval.sets: eval_<name>_accuracy, ...
+                record.update(evaluate(engine, rows, score, job.tokenizer, e.max_tokens, prefix=f"eval_{s.name}_",
                                        **sample))
     if job.cfg.stage in ("dpo", "rm"):  # the held-out pairs' preference accuracy
         batches = _pair_batches(job, job.eval_rows)[0]

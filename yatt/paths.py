@@ -35,29 +35,34 @@ def check_job_paths(cfg) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def readable_file(path: str | os.PathLike, key: str) -> str | None:
-    """None when ``path`` is a file this process can read, else the problem, naming ``key``."""
+def readable_file(path: str | os.PathLike, key: str, option: bool = False) -> str | None:
+    """None when ``path`` is a file this process can read, else the problem, naming ``key``: a
+    config key (``config key 'data.train_files[0]'``), or with ``option`` a command-line option
+    or argument as it is (``--sets``)."""
+    name = key if option else f"config key '{key}'"
     p = Path(path).expanduser()
     if not p.exists():
         hint = f" (relative to the working directory {os.getcwd()})" if not p.is_absolute() else ""
-        return f"config key '{key}': {path} does not exist{hint}; create it or fix the path"
+        return f"{name}: {path} does not exist{hint}; create it or fix the path"
     if not p.is_file():
-        return f"config key '{key}': {path} is not a file"
+        return f"{name}: {path} is not a file"
     if not os.access(p, os.R_OK):
-        return f"config key '{key}': {path} cannot be read (permissions)"
+        return f"{name}: {path} cannot be read (permissions)"
     return None
 
 
-def writable_dir(path: str | os.PathLike, key: str) -> str | None:
+def writable_dir(path: str | os.PathLike, key: str, option: bool = False) -> str | None:
     """None when ``path`` is a folder this process can write, or can create (its nearest existing
-    ancestor is a writable folder), else the problem, naming ``key``."""
+    ancestor is a writable folder), else the problem, naming ``key`` as :func:`readable_file` does
+    (``option``: ``--json``, ``OUT_DIR``)."""
+    name = key if option else f"config key '{key}'"
     p = Path(path).expanduser().absolute()
     if p.exists() and not p.is_dir():
-        return f"config key '{key}': {path} is a file, not a folder; point {key} at a folder (or move the file away)"
+        return f"{name}: {path} is a file, not a folder; point {key} at a folder (or move the file away)"
     existing = next(a for a in (p, *p.parents) if a.exists())
     if not existing.is_dir():
-        return f"config key '{key}': {existing} is a file, so {path} cannot be created under it"
+        return f"{name}: {existing} is a file, so {path} cannot be created under it"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"config key '{key}': {existing} is not writable by this user, so {path} cannot be written; pick " \
+        return f"{name}: {existing} is not writable by this user, so {path} cannot be written; pick " \
                "another location"
     return None

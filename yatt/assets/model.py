@@ -156,6 +156,17 @@ def resolve_model(name_or_path: str) -> Path:
     return out
 
 
+def resolve_model_once(name_or_path: str, rank: int) -> Path:
+    """:func:`resolve_model` in a job: rank 0 materialises a packaged model while the others wait
+    (a ``torch.distributed`` barrier when initialised), then they use the finished cache."""
+    import torch.distributed as dist
+
+    path = resolve_model(name_or_path) if rank == 0 else None
+    if dist.is_initialized():
+        dist.barrier()
+    return path if rank == 0 else resolve_model(name_or_path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Materialise a packaged model into the YATT cache.")
     ap.add_argument("model", nargs="?", default=SMOLLM2)

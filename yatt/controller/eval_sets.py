@@ -4,6 +4,7 @@ reasoning-gym task for a rule source). Used by ``python -m yatt.eval`` and by a 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +67,9 @@ def _files_set(d, name: str, files: list[str], key: str, problems: list) -> Eval
     from yatt.paths import readable_file
 
     for i, f in enumerate(files):
-        if problem := readable_file(f, key if key.startswith("--") else f"{key}[{i}]"):
-            problems.append(problem.replace(f"config key '{key}'", key))
+        option = key.startswith("--")  # a file named on the command line
+        if problem := readable_file(f, key if option else f"{key}[{i}]", option=option):
+            problems.append(problem)
     return EvalSet(name, d.model_copy(update={"source": "file", "eval_files": list(files)}), d.task, d.task_config)
 
 
@@ -104,3 +106,12 @@ def set_rows(s: EvalSet, tokenizer, limit: int | None, rank: int, world: int) ->
     if limit is None:
         return load_prompts(s.data, tokenizer, "eval", rank, world)[0]
     return load_prompts(s.data, tokenizer, "eval")[0][:limit][rank::world]
+
+
+def shard_sets(cfg: Config, sets: list[EvalSet], tokenizer, rank: int | None, world: int,
+               limit: int | None = None) -> list[tuple[EvalSet, list, Callable]]:
+    """``(set, this rank's rows, score_fn)`` of each of ``sets``: the rows as :func:`set_rows`
+    gives them to ``rank`` of ``world`` evaluating ranks (None: a rank that does not evaluate,
+    no rows), scored by :func:`accuracy_score_fn`."""
+    return [(s, set_rows(s, tokenizer, limit, rank, world) if rank is not None else [],
+             accuracy_score_fn(cfg, s.task, s.task_config)) for s in sets]
