@@ -6,7 +6,7 @@ parallel size 1, so engines never step in lockstep: ranks may run different mode
 same time (policy on sampler ranks, judge on GenRM ranks) and finish at different times.
 Construction and ``shutdown`` are **collective** (vLLM creates and destroys process groups
 over the whole world): every rank must build or shut down *some* engine of the same TP size
-at the same point. ``generate``/``generate_within``/``generate_stream``/``score`` are local.
+at the same point, or call :func:`join_engine_groups` there if it builds none. ``generate``/``generate_within``/``generate_stream``/``score`` are local.
 
 Logprobs: the engine runs with vLLM's ``raw_logprobs`` mode, so ``Completion.logprobs`` holds
 the log-softmax of the *unscaled* model logits at the sampled token (before temperature /
@@ -140,6 +140,48 @@ def _keep_default_process_group():
         yield
     finally:
         ps.destroy_distributed_environment = original
+
+
+@contextlib.contextmanager
+def _local_memory_probe():
+    """Each engine sizes its KV cache from its own rank's free memory.
+
+    vLLM's external launcher takes the minimum over the whole world (an all-reduce in
+    ``determine_available_memory``), as its ranks run one TP engine in lockstep. YATT's engines
+    are independent: ranks build different models (policy, judge) or none at all
+    (``rollout_apart`` trainers, :func:`join_engine_groups`), so the probe stays local."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
+
+    original = ExecutorWithExternalLauncher.determine_available_memory
+    ExecutorWithExternalLauncher.determine_available_memory = UniProcExecutor.determine_available_memory
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher.determine_available_memory = original
+
+
+def join_engine_groups(model_path) -> None:
+    """On a rank that builds no engine while others build theirs (collective, at the same point):
+    create the process groups that building an engine of ``model_path`` creates (vLLM's world and
+    model-parallel groups over the whole torch.distributed world; which ones depends on the model,
+    e.g. an expert-parallel group for MoE models), so the other ranks' builds do not wait for it.
+    Only the first engine of a process creates them; later builds reuse them, so ``model_path``
+    is the model the other ranks build first.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("join_engine_groups: torch.distributed is not initialised")
+    config = VllmConfig(model_config=ModelConfig(model=str(model_path)),
+                        parallel_config=ParallelConfig(distributed_executor_backend="external_launcher"))
+    with set_current_vllm_config(config):
+        ps.init_distributed_environment(dist.get_world_size(), dist.get_rank(), "env://",
+                                        int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
+        ps.ensure_model_parallel_initialized(1, 1)
 
 
 def _shutdown_keep_world(core) -> None:
@@ -292,7 +334,7 @@ class VLLMEngine:
         rng_states = _get_rng_states()
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            with _no_heap_wide_gc():
+            with _no_heap_wide_gc(), _local_memory_probe():
                 self._llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
