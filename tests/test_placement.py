@@ -21,6 +21,17 @@ def test_roles_per_mode():
     assert (pa.samplers, pa.judges, pa.trainers) == ((0, 1, 2), (3,), (0, 1, 2, 3)) and pa.split
     di = plan_roles("disaggregated", 4, 2)
     assert (di.samplers, di.judges, di.trainers) == ((0, 1), (2, 3), (0, 1))
+    ap = plan_roles("rollout_apart", 4, rollout_ranks=1)
+    assert (ap.samplers, ap.judges, ap.trainers) == ((3,), (3,), (0, 1, 2)) and ap.apart and not ap.split
+
+
+def test_rollout_apart_pairs_each_sampler_with_one_trainer():
+    from yatt.placement.push import pairs_of
+
+    roles = plan_roles("rollout_apart", 5, rollout_ranks=3)  # trainers (0, 1), samplers (2, 3, 4)
+    assert [pairs_of(roles, r) for r in range(5)] == [([2, 4], None), ([3], None), ([], 0), ([], 1), ([], 0)]
+    with pytest.raises(ValueError, match="rollout_ranks"):
+        plan_roles("rollout_apart", 4, rollout_ranks=4)
 
 
 def test_prompts_spread_over_samplers_and_owned_by_trainers():
@@ -227,7 +238,7 @@ def test_colocated_engines_are_released_or_kept(keep, expected):
         def update_weights(self, weights):
             list(weights)
 
-    cfg = SimpleNamespace(placement=SimpleNamespace(mode="colocate", genrm_ranks=1, auto_repeats=1, keep_engines=keep),
+    cfg = SimpleNamespace(placement=SimpleNamespace(mode="colocate", genrm_ranks=1, rollout_ranks=1, auto_repeats=1, keep_engines=keep),
                           trainer=SimpleNamespace(sync_bucket_mb=1), seed=0)
     scorer = SimpleNamespace(uses_judge=True, make_judge=lambda seed: SimpleNamespace(engine=Engine("judge"), seed=0),
                              judge_groups=lambda judge, groups: None)

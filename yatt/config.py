@@ -66,6 +66,10 @@ class RolloutConfig(_Section):
     tp: Literal[1] = Field(1, description="each rank's engine serves its own prompts (rollout TP > 1: not yet)")
     max_model_len: int = Field(512, gt=0, description="vLLM context length (prompt + response tokens)")
     kv_cache_memory_bytes: int = Field(256 << 20, gt=0, description="vLLM KV-cache size per engine, bytes")
+    max_staleness: int = Field(0, ge=0,
+        description="placement.mode=rollout_apart: the samplers generate the batches of steps s+1..s+K while the "
+                    "trainers train step s, so a sample is at most K updates old (its policy version is recorded); "
+                    "0: synchronous, the samplers wait for each step's weights")
 
 
 class GenRMConfig(_Section):
@@ -221,9 +225,13 @@ class RewardConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    mode: Literal["colocate", "partial_colocate", "disaggregated"] = Field("colocate",
+    mode: Literal["colocate", "partial_colocate", "disaggregated", "rollout_apart"] = Field("colocate",
         description="colocate: every phase on every rank in turn; partial_colocate: samplers and GenRM "
-                    "ranks work at the same time, training on all ranks; disaggregated: GenRM ranks only judge")
+                    "ranks work at the same time, training on all ranks; disaggregated: GenRM ranks only judge; "
+                    "rollout_apart: the last placement.rollout_ranks ranks only sample (and judge), the others "
+                    "only train (rollout.max_staleness: how far ahead the samplers run)")
+    rollout_ranks: int = Field(1, gt=0,
+        description="placement.mode=rollout_apart: how many ranks only sample (and judge); the rest train")
     genrm_ranks: int | Literal["auto"] = Field(1,
         description="GenRM ranks of a split placement; auto: ternary search of the split (partial_colocate)")
     auto_repeats: int = Field(1, gt=0, description="steps measured per candidate split under auto")
@@ -594,17 +602,23 @@ class Config(_Section):
             raise ValueError("dpo.label_smoothing: ipo has none (sigmoid only)")
         if self.stage == "sft" and "{answer}" not in self.sft.response_template and self.sft.response_key is None:
             raise ValueError("sft.response_template: must contain {answer} (or give sft.response_key)")
-        if p.mode != "colocate" and self.reward.judge is None:
+        if p.mode not in ("colocate", "rollout_apart") and self.reward.judge is None:
             raise ValueError(f"placement.mode: {p.mode} splits rollout and GenRM ranks, but no reward source "
                              "is a judge (genrm or reward_model)")
         if p.genrm_ranks != "auto" and p.genrm_ranks < 1:
             raise ValueError(f"placement.genrm_ranks: must be >= 1 or 'auto', got {p.genrm_ranks}")
         if p.genrm_ranks == "auto" and p.mode != "partial_colocate":
             raise ValueError("placement.genrm_ranks: 'auto' tunes the partial_colocate split; give a number")
-        if p.mode == "disaggregated" and self.trainer.tp != 1:
-            raise ValueError("trainer.tp: placement.mode=disaggregated trains with trainer.tp=1 only")
-        if p.mode == "disaggregated" and self.trainer.pp != 1:
-            raise ValueError("trainer.pp: placement.mode=disaggregated trains with trainer.pp=1 only")
+        if p.mode in ("disaggregated", "rollout_apart") and self.trainer.tp != 1:
+            raise ValueError(f"trainer.tp: placement.mode={p.mode} trains with trainer.tp=1 only")
+        if p.mode in ("disaggregated", "rollout_apart") and self.trainer.pp != 1:
+            raise ValueError(f"trainer.pp: placement.mode={p.mode} trains with trainer.pp=1 only")
+        if self.rollout.max_staleness and p.mode != "rollout_apart":
+            raise ValueError(f"rollout.max_staleness: samplers run ahead of the trainers only with "
+                             f"placement.mode=rollout_apart (got {p.mode})")
+        if p.mode == "rollout_apart" and self.trainer.guard.action == "rollback":
+            raise ValueError("trainer.guard.action: rollback reloads a checkpoint on the trainers while the samplers "
+                             "hold rollouts of later steps; use skip with placement.mode=rollout_apart")
         b = self.trainer.balance
         if b.enabled and not b.equal_count and b.cost_linear == b.cost_quadratic == 0:
             raise ValueError("trainer.balance.cost_linear: cost_linear and cost_quadratic are both 0")

@@ -102,7 +102,7 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                           dtype=cfg.model.dtype, progress="rollout" if bars else None)
 
     placement = Placement(cfg, info.rank, info.world_size, build_engine, scorer,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), policy_path=model_path)
     log.info("%s", placement.roles.describe())
     train_rows, eval_rows, eval_total = _load_data(cfg, tokenizer, info, placement.eval_ranks)
     eval_rank = placement.eval_ranks.index(info.rank) if info.rank in placement.eval_ranks else None
@@ -122,7 +122,7 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
     estimator = estimator_for(a.estimator, a.norm_adv_by_std)
     guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled else None
     critic_guard = StabilityGuard(g.spike_factor, g.window, g.min_history) if g.enabled and critic else None
-    sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, a.max_sampling_rounds,
+    sampler = (DynamicSampler(t.prompts_per_rank * info.world_size, a.max_sampling_rounds, group=placement.sampler_group,
                               keep=lambda rewards: group_informative(a.estimator, estimator, rewards))
                if a.dynamic_sampling else None)
     kl_ctrl = (KLController(a.kl_in_reward, a.kl_target, a.kl_horizon)

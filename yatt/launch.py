@@ -146,7 +146,8 @@ def _check_placement(cfg, info) -> None:
     try:
         roles_for(cfg, info.world_size)
     except ValueError as e:
-        raise ConfigError(f"config key 'placement.genrm_ranks': {e}") from None
+        key = "rollout_ranks" if cfg.placement.mode == "rollout_apart" else "genrm_ranks"
+        raise ConfigError(f"config key 'placement.{key}': {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,7 +98,7 @@ def _train(job: Job) -> list[dict]:
                                config=cfg.model_dump(mode="json"))
     records = [] if start else _evaluate(job, 0)
     if start:
-        job.placement.sync(job.actor)  # the engines serve the resumed policy
+        job.placement.sync(job.actor, version=start)  # the engines serve the resumed policy
     _stop_if_signalled(ckpt, start)  # a signal during the step-0 eval or the sync
     for step in tqdm(range(start + 1, total + 1), desc="steps", initial=start, total=total,
                      disable=not (job.info.rank == 0 and cfg.log.progress), dynamic_ncols=True):
@@ -123,7 +123,7 @@ def _step(job: Job, step: int) -> dict:
     {"rl": _rl_phases, "sft": _sft_phases, "dpo": _pair_phases, "rm": _pair_phases}[job.cfg.stage](job, step, timer, sums)
     sums["data_rows_skipped"] = (float(sum(job.train_rows.stats.skipped.values())), 1.0)  # so far, bad rows
     sums["checkpoint_failures"] = (float(job.ckpt.saver.failures), 1.0)  # so far, saves that failed (agreed)
-    timer.merge(job.placement.sync(job.actor, timer.on_enter))
+    timer.merge(job.placement.sync(job.actor, timer.on_enter, version=step))
     job.phase("step end", step)
     return report_step(job, step, timer, t0, sums)
 
@@ -196,7 +196,12 @@ def _pair_batches(job: Job, rows) -> tuple[list[dict], dict[str, tuple[float, fl
 def _rollout_and_score(job: Job, step: int, timer: PhaseTimer, sums: dict) -> tuple[list, list[list[float]]]:
     """This rank's groups of the step and their rewards (one list of ``n`` per group); with DAPO
     dynamic sampling, the groups that carry no signal are dropped and more are sampled until the
-    batch is full."""
+    batch is full. With ``rollout_apart`` the samplers made them, up to ``rollout.max_staleness``
+    steps earlier (:mod:`yatt.placement.ahead`; none on sampler ranks)."""
+    if (ahead := job.placement.ahead) is not None:
+        groups, rewards, more = ahead.take(step, job.shard.next_batch, lambda b, prompts: _produce(job, b, prompts, timer))
+        merge(sums, more)
+        return groups, rewards
     groups, rewards = _sample_round(job, step, 0, timer, sums)
     if job.sampler is not None:
         groups, rewards, more = job.sampler.fill(groups, rewards, lambda r: _sample_round(job, step, r, timer, sums))
@@ -207,22 +212,61 @@ def _rollout_and_score(job: Job, step: int, timer: PhaseTimer, sums: dict) -> tu
 def _sample_round(job: Job, step: int, round_: int, timer: PhaseTimer, sums: dict):
     """This rank's next prompts rolled out, judged and scored; metrics merged into ``sums``.
     Returns (the groups this rank trains on, their rewards, one list of ``n`` per group)."""
-    from yatt.rollout.vllm_engine import SamplingSpec
-
-    cfg, n = job.cfg, job.cfg.rollout.n
-    seed = ((cfg.seed * 1_000_003 + step) * 4099 + job.info.rank) + round_ * 1_000_000_007  # reproducible
-    spec = SamplingSpec(n=n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                        top_p=cfg.rollout.top_p, seed=seed)
-    groups, more, measured = job.placement.rollout_and_score(job.shard.next_batch(), spec, job.actor, timer.on_enter)
+    groups, more, measured = job.placement.rollout_and_score(job.shard.next_batch(), _spec(job, step, round_), job.actor,
+                                                             timer.on_enter)
     timer.merge(measured)
-    rewards = []
-    if job.trains:
-        with timer("reward"):
-            flat, accuracy, reward_sums = job.scorer.score(groups)
-        more.update(sample_sums(groups, flat, accuracy), **reward_sums)
-        rewards = [flat[i * n:(i + 1) * n] for i in range(len(groups))]
+    rewards = _score(job, groups, timer, more) if job.trains else []
     merge(sums, more)
     return groups, rewards
+
+
+def _produce(job: Job, step: int, prompts: list, timer: PhaseTimer) -> tuple[list, list[list[float]], dict]:
+    """``rollout_apart`` samplers: the scored batch of ``step`` from ``prompts`` (``(gid, origin,
+    row)``, routed here from every rank); with dynamic sampling refilled from this rank's own
+    prompts, as many per round as every rank draws in the other modes. Returns (groups, rewards,
+    (sum, count) metrics)."""
+    sums: dict = {}
+    groups, rewards = _sample_here(job, step, 0, prompts, timer, sums)
+    if job.sampler is not None:
+        per_round = -(-job.info.world_size // len(job.placement.roles.samplers))
+
+        def draw(round_: int):
+            rows = [row for _ in range(per_round) for row in job.shard.next_batch()]
+            base = round_ * 1_000_000 + job.info.rank * len(rows)  # gids apart from the first round's
+            return _sample_here(job, step, round_, [(base + i, job.info.rank, row) for i, row in enumerate(rows)],
+                                timer, sums)
+
+        groups, rewards, more = job.sampler.fill(groups, rewards, draw)
+        sums.update(more)
+    return groups, rewards, sums
+
+
+def _sample_here(job: Job, step: int, round_: int, prompts: list, timer: PhaseTimer, sums: dict):
+    """``prompts`` rolled out, judged and scored on this (sampler) rank: (groups, rewards)."""
+    groups = job.placement.sample_here(prompts, _spec(job, step, round_), timer)
+    more: dict = {}
+    rewards = _score(job, groups, timer, more)
+    merge(sums, more)
+    return groups, rewards
+
+
+def _spec(job: Job, step: int, round_: int):
+    """The sampling parameters of ``step``'s round ``round_`` on this rank (a reproducible seed)."""
+    from yatt.rollout.vllm_engine import SamplingSpec
+
+    cfg = job.cfg
+    seed = ((cfg.seed * 1_000_003 + step) * 4099 + job.info.rank) + round_ * 1_000_000_007
+    return SamplingSpec(n=cfg.rollout.n, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                        top_p=cfg.rollout.top_p, seed=seed)
+
+
+def _score(job: Job, groups: list, timer: PhaseTimer, sums: dict) -> list[list[float]]:
+    """The rewards of ``groups`` (one list of ``n`` per group); their metrics added to ``sums``."""
+    n = job.cfg.rollout.n
+    with timer("reward"):
+        flat, accuracy, reward_sums = job.scorer.score(groups)
+    sums.update(sample_sums(groups, flat, accuracy), **reward_sums)
+    return [flat[i * n:(i + 1) * n] for i in range(len(groups))]
 
 
 def _evaluate(job: Job, step: int) -> list[dict]:

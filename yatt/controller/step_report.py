@@ -23,14 +23,18 @@ if TYPE_CHECKING:
 COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
             "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped",
             "sft_rows_skipped", "dpo_rows_skipped", "rm_rows_skipped")  # summed over ranks, not averaged
-MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures", "is_ratio_max")  # max over ranks
+MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures", "is_ratio_max",
+          "staleness_max")  # max over ranks
 
 
 def report_step(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> dict:
     """Reduce the step's metrics over the ranks (the slowest rank's phase times, idle times),
     tell the placement, write them and print rank 0's line."""
-    idle = sums.pop("idle_s", (0.0,))[0] + _wait_for_peers()  # a rank with nothing left waits here
+    idle = sums.pop("idle_s", (0.0,))[0] + job.placement.pop_idle() + _wait_for_peers()  # waits for the others
     timer.times["time_step_s"] = time.perf_counter() - t0
+    if job.placement.roles.apart:  # each group's busy and idle seconds (means over the group's ranks)
+        role = "trainer" if job.trains else "sampler"
+        sums.update({f"{role}_busy_s": (timer.times["time_step_s"] - idle, 1.0), f"{role}_idle_s": (idle, 1.0)})
     sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
     record = {"step": step, **global_means(sums, op_max=MAXIMA, op_sum=COUNTERS, sum_suffixes=COUNTER_SUFFIXES,
                                            max_prefixes=("time_", "mem_peak_"))}
@@ -92,11 +96,14 @@ def _line(r: dict) -> str:
     genrm = (f" ({' '.join(means)})" if len(means) > 1 else "") + (f" errors {errors:.0f}" if errors else "")
     critic = f" | vloss {r['value_loss']:.4f} ev {r['explained_variance']:.3f}" if "value_loss" in r else ""
     skipped = f" skip {r['samples_skipped']:.0f}" if "samples_skipped" in r else ""
+    stale = f" stale {r['staleness_mean']:.1f}/{r['staleness_max']:.0f}" if "staleness_mean" in r else ""
+    busy = (f" busy sampler {r['sampler_busy_s']:.1f} trainer {r['trainer_busy_s']:.1f}"
+            if "sampler_busy_s" in r and "trainer_busy_s" in r else "")
     phases = " ".join(f"{name} {r[f'time_{key}_s']:.1f}" for name, key in _PHASES if f"time_{key}_s" in r)
     return (f"step {r['step']:>4} | reward {r['reward_mean']:.3f} acc {r['accuracy']:.3f}{genrm} | kl {v('kl', '.4f')} "
             f"ent {v('entropy', '.3f')} clip {v('clip_frac', '.3f')} gnorm {v('grad_norm', '.3f')}{critic} "
-            f"| len {r['response_len_mean']:.1f}{skipped} | lpdiff {v('logprob_diff_rollout_vs_train', '.1e')} | "
-            f"{r['time_step_s']:.1f}s ({phases} idle {r['idle_s']:.1f}) {r['tokens_per_s']:.0f} tok/s")
+            f"| len {r['response_len_mean']:.1f}{skipped}{stale} | lpdiff {v('logprob_diff_rollout_vs_train', '.1e')} | "
+            f"{r['time_step_s']:.1f}s ({phases} idle {r['idle_s']:.1f}{busy}) {r['tokens_per_s']:.0f} tok/s")
 
 
 def _stage_line(r: dict, loss: str) -> str:

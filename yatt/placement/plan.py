@@ -6,10 +6,13 @@ mode               rollout + GenRM phase       logprob + train         weight sy
 colocate           all ranks, one after other  all ranks               all ranks
 partial_colocate   samplers || GenRM ranks     all ranks               samplers (rebuild)
 disaggregated      samplers || GenRM ranks     samplers (= trainers)   samplers
+rollout_apart      samplers (they judge too)   trainers                trainers -> samplers
 =================  ==========================  ======================  ==================
 
 ``||``: at the same time, finished groups streamed (see :mod:`yatt.placement.stream`).
-GenRM ranks are the last ``k`` ranks of the world. Every rank draws its own prompts in every
+GenRM ranks are the last ``k`` ranks of the world. With ``rollout_apart`` the last ``k`` ranks
+only sample and judge and the others only train, at the same time when ``rollout.max_staleness``
+lets the samplers run ahead (:mod:`yatt.placement.ahead`). Every rank draws its own prompts in every
 mode (the same data for the same seed); :func:`route` moves them to the samplers and the
 scored groups to the ranks that train on them.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("colocate", "partial_colocate", "disaggregated")
+MODES = ("colocate", "partial_colocate", "disaggregated", "rollout_apart")
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,13 @@ class Roles:
     @property
     def split(self) -> bool:
         """True when samplers and GenRM ranks are disjoint groups working at the same time."""
-        return self.mode != "colocate"
+        return self.mode in ("partial_colocate", "disaggregated")
+
+    @property
+    def apart(self) -> bool:
+        """True when the samplers do not train (``rollout_apart``): batches move from one group to the
+        other and the trainers push their weights to the samplers."""
+        return self.mode == "rollout_apart"
 
     def sampler_of(self, gid: int) -> int:
         """The sampler rank that rolls out global prompt ``gid`` (round robin)."""
@@ -48,17 +57,25 @@ class Roles:
                 f"trainers {list(self.trainers)}")
 
 
-def plan_roles(mode: str, world: int, genrm_ranks: int = 1) -> Roles:
-    """Rank groups for ``mode`` on ``world`` ranks with ``genrm_ranks`` GenRM ranks (split modes).
+def plan_roles(mode: str, world: int, genrm_ranks: int = 1, rollout_ranks: int = 1) -> Roles:
+    """Rank groups for ``mode`` on ``world`` ranks with ``genrm_ranks`` GenRM ranks (split modes)
+    or ``rollout_ranks`` sampler ranks (``rollout_apart``).
 
     Raises:
-        ValueError: unknown mode, or a split mode with ``genrm_ranks`` outside ``[1, world - 1]``.
+        ValueError: unknown mode, or a split mode with ``genrm_ranks`` (``rollout_apart``:
+            ``rollout_ranks``) outside ``[1, world - 1]``.
     """
     everyone = tuple(range(world))
     if mode == "colocate":
         return Roles(mode, world, everyone, everyone, everyone)
     if mode not in MODES:
         raise ValueError(f"placement.mode must be one of {MODES}, got {mode!r}")
+    if mode == "rollout_apart":
+        if not 1 <= rollout_ranks <= world - 1:
+            raise ValueError(f"placement.mode=rollout_apart needs 1 <= placement.rollout_ranks <= world - 1 = "
+                             f"{world - 1}, got {rollout_ranks}")
+        cut = world - rollout_ranks  # trainers first: rank 0 trains and writes the step records
+        return Roles(mode, world, everyone[cut:], everyone[cut:], everyone[:cut])
     if not 1 <= genrm_ranks <= world - 1:
         raise ValueError(f"placement.mode={mode} needs 1 <= placement.genrm_ranks <= world - 1 = {world - 1}, "
                          f"got {genrm_ranks}")

@@ -11,6 +11,8 @@ reduced rollout + GenRM time for the split search. Which engines live when:
   (and get the current weights) while GenRM ranks wake the judge; both are released before
   training, which owns all ranks.
 - ``disaggregated``: samplers keep the rollout engine and GenRM ranks the judge for the run.
+- ``rollout_apart``: samplers keep the rollout engine and the judge for the run, and take the
+  trainers' weights after every step (:mod:`yatt.placement.ahead`, :mod:`yatt.placement.push`).
 
 On CPU (``placement.keep_engines``) colocated engines stay resident instead of being released
 when memory allows: ``auto`` decides after the first step, which releases and measures
@@ -33,7 +35,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from yatt.controller.metrics import PhaseTimer
+from yatt.placement.ahead import RolloutsAhead
 from yatt.placement.plan import Roles, plan_roles, route
+from yatt.placement.push import WeightInbox, pairs_of, send_weights
 from yatt.placement.residency import RESERVE_FRACTION, engines_fit, gather_reports
 from yatt.placement.search import SplitSearch
 from yatt.placement.slots import EngineSlot
@@ -61,6 +65,7 @@ class SampleGroup:
     genrm: list[float] | None = None
     unparsable: int = 0
     timed_out: int = 0
+    version: int = 0  # rollout_apart: the step whose weights generated it (0: the initial policy)
 
     @property
     def tokens(self) -> int:
@@ -78,18 +83,22 @@ class Placement:
         decode: ``token_ids -> str`` of the policy tokenizer.
         gpu: release engines by vLLM sleep mode (default: when CUDA is available); False: by
             teardown and rebuild (CPU).
+        policy_path: the policy's local folder (``rollout_apart`` trainers join the process groups
+            its engine creates on the samplers, :func:`~yatt.rollout.vllm_engine.join_engine_groups`).
     Raises:
         ValueError: a split mode without a GenRM reward, or a bad ``genrm_ranks``.
     """
 
-    def __init__(self, cfg, rank: int, world: int, build_rollout, scorer, decode, gpu: bool | None = None) -> None:
+    def __init__(self, cfg, rank: int, world: int, build_rollout, scorer, decode, gpu: bool | None = None,
+                 policy_path=None) -> None:
         p = cfg.placement
-        if p.mode != "colocate" and not scorer.uses_judge:
+        if p.mode in ("partial_colocate", "disaggregated") and not scorer.uses_judge:
             raise ValueError(f"placement.mode={p.mode} needs a judge (a genrm or reward_model reward source)")
         self.cfg, self.rank, self.world = cfg, rank, world
         self.scorer, self.decode = scorer, decode
+        self.policy_path = policy_path  # the rollout engine's model (rollout_apart trainers join its groups)
         self.search = SplitSearch(1, world - 1, repeats=p.auto_repeats) if p.genrm_ranks == "auto" else None
-        self.roles = plan_roles(p.mode, world, self.search.next() if self.search else p.genrm_ranks)
+        self.roles = plan_roles(p.mode, world, self.search.next() if self.search else p.genrm_ranks, p.rollout_ranks)
         if gpu is None:
             import torch
 
@@ -101,10 +110,16 @@ class Placement:
         # keep released engines resident (CPU): True, False, or None = decide after the first step
         self.keep = False if gpu else {"always": True, "never": False, "auto": None}[p.keep_engines]
         self.train_group = None  # None: Megatron's data-parallel group (every rank trains)
-        if p.mode == "disaggregated":
+        self.sampler_group = None  # rollout_apart: the samplers (dynamic sampling agrees over them)
+        if p.mode in ("disaggregated", "rollout_apart"):
             import torch.distributed as dist
 
             self.train_group = dist.new_group(list(self.roles.trainers))  # collective
+            if self.roles.apart:
+                self.sampler_group = dist.new_group(list(self.roles.samplers))
+        self.ahead = (RolloutsAhead(self.roles, rank, cfg.rollout.max_staleness, cfg.trainer.total_steps)
+                      if self.roles.apart else None)
+        self.idle_s = 0.0  # this step's waits for the other group outside the step's phases (pop_idle)
         self._comms: tuple | None = None  # (roles, local comm, intercomm) of the current split
 
     @property
@@ -114,13 +129,23 @@ class Placement:
     @property
     def eval_ranks(self) -> tuple[int, ...]:
         """Ranks that hold a rollout engine at evaluation time (they share the eval set)."""
-        return self.roles.samplers if self.roles.mode == "disaggregated" else tuple(range(self.world))
+        return self.roles.samplers if self.roles.mode in ("disaggregated", "rollout_apart") else tuple(range(self.world))
 
     def start(self) -> None:
         """Build the engines this rank needs at the start (collective)."""
         mode, uses_judge = self.roles.mode, self.scorer.uses_judge
         if mode == "disaggregated":  # one engine per rank, for the whole run
             (self.rollout if self.rank in self.roles.samplers else self.judge).build_now()
+            return
+        if mode == "rollout_apart":  # samplers hold both engines for the run; trainers none
+            if not self.trains:
+                self.rollout.build_now()
+                if uses_judge:
+                    self.judge.build_now()
+            else:
+                from yatt.rollout.vllm_engine import join_engine_groups
+
+                join_engine_groups(self.policy_path)  # the samplers' first build: process groups over the world
             return
         if self.gpu:  # every engine this rank may need, once; slept until its phase
             self.rollout.build_now()
@@ -133,11 +158,15 @@ class Placement:
             self.rollout.build_now()
 
     def state_dict(self) -> dict:
-        """The split search and current split (``genrm_ranks: auto``), for checkpoints."""
-        return {"search": self.search, "roles": self.roles}
+        """The split search and current split (``genrm_ranks: auto``) and the in-flight rollouts
+        (``rollout_apart``), for checkpoints."""
+        return {"search": self.search, "roles": self.roles,
+                **({"ahead": self.ahead.state_dict()} if self.ahead is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.search, self.roles = state["search"], state["roles"]
+        if self.ahead is not None:
+            self.ahead.load_state_dict(state["ahead"])
 
     def close(self) -> None:
         self.rollout.close()
@@ -223,6 +252,21 @@ class Placement:
         timer.times["time_rollout_genrm_s"] = timer.times["time_rollout_s"] + timer.times.get("time_genrm_s", 0.0)
         return groups
 
+    def sample_here(self, prompts: list, spec, timer: PhaseTimer) -> list[SampleGroup]:
+        """``rollout_apart`` samplers: roll out ``prompts`` (``(gid, origin, row)``) on this rank's
+        engine and judge them here (with a GenRM reward); groups in the order given, each owned by
+        the trainer that trains on it."""
+        with timer("rollout"):
+            completions = self.rollout.engine.generate([r.prompt_ids for _, _, r in prompts], spec)
+        groups = [self._group(gid, origin, self.roles.owner_of(gid, origin), row, comps)
+                  for (gid, origin, row), comps in zip(prompts, completions)]
+        if self.scorer.uses_judge:
+            judge = self.judge.obj
+            judge.seed = spec.seed
+            with timer("genrm"):
+                self.scorer.judge_groups(judge, groups)
+        return groups
+
     def _group(self, gid: int, origin: int, owner: int, row, completions) -> SampleGroup:
         return SampleGroup(gid, origin, owner, row, completions, [self.decode(c.token_ids) for c in completions])
 
@@ -264,12 +308,16 @@ class Placement:
         return groups, sums
 
     # ------------------------------------------------------------------ weights and engines
-    def sync(self, actor, on_phase=None) -> PhaseTimer:
+    def sync(self, actor, on_phase=None, version: int = 0) -> PhaseTimer:
         """After training: the new weights into the rollout engines that serve the next step
-        (partial_colocate pushes at the next phase start instead, into freshly woken engines).
-        Returns what it measured (phases engines and sync; ``on_phase`` as in
+        (partial_colocate pushes at the next phase start instead, into freshly woken engines;
+        rollout_apart: from the trainers to the samplers, whose engines then hold the weights of
+        step ``version``). Returns what it measured (phases engines and sync; ``on_phase`` as in
         :meth:`rollout_and_score`)."""
         timer = PhaseTimer(on_enter=on_phase, released_bytes=self.released_bytes)
+        if self.roles.apart:
+            self._push_apart(actor, timer, version)
+            return timer
         if self.roles.mode == "partial_colocate" or not self.trains or actor is None:  # None: no policy (stage rm)
             return timer
         with timer("engines"):  # CPU colocated GenRM: rebuilt here; GPU: woken
@@ -321,6 +369,27 @@ class Placement:
             for _ in weights:
                 pass
 
+    def _push_apart(self, actor, timer: PhaseTimer, version: int) -> None:
+        """``rollout_apart``: trainers send their weights to their samplers (:mod:`yatt.placement.push`);
+        a sampler waits for the push (idle time), then loads it bucket by bucket as it arrives."""
+        dests, source = pairs_of(self.roles, self.rank)
+        bucket = int(self.cfg.trainer.sync_bucket_mb * (1 << 20))
+        if self.trains:
+            with timer("sync"):
+                send_weights(actor.export_hf_weights(bucket), dests, bucket)
+            return
+        inbox = WeightInbox(source)
+        inbox.wait()
+        self.idle_s += inbox.wait_s
+        with timer("sync"):
+            self.rollout.engine.update_weights(inbox)
+        self.ahead.version = version
+
+    def pop_idle(self) -> float:
+        """Seconds this rank waited for the other group since the last call (outside the phases)."""
+        idle, self.idle_s = self.idle_s, 0.0
+        return idle
+
     def intercomm(self):
         """Sampler/GenRM communicators of the current split (``MPI_Comm_split`` + intercomm)."""
         from mpi4py import MPI
@@ -339,4 +408,4 @@ class Placement:
 def roles_for(cfg, world: int) -> Roles:
     """The first step's roles of ``cfg.placement`` (for checks before any model loads)."""
     p = cfg.placement
-    return plan_roles(p.mode, world, 1 if p.genrm_ranks == "auto" else p.genrm_ranks)
+    return plan_roles(p.mode, world, 1 if p.genrm_ranks == "auto" else p.genrm_ranks, p.rollout_ranks)
