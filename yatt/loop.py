@@ -99,6 +99,7 @@ def _train(job: Job) -> list[dict]:
     records = [] if start else _evaluate(job, 0)
     if start:
         job.placement.sync(job.actor, version=start)  # the engines serve the resumed policy
+        job.placement.pop_idle()  # a wait before the first step belongs to no step
     _stop_if_signalled(ckpt, start)  # a signal during the step-0 eval or the sync
     for step in tqdm(range(start + 1, total + 1), desc="steps", initial=start, total=total,
                      disable=not (job.info.rank == 0 and cfg.log.progress), dynamic_ncols=True):

@@ -318,8 +318,11 @@ def load_part(folder: str | Path, kind: str, key: str) -> dict:
     path = Path(folder) / kind / f"{key}.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint part {path} is missing (was it saved with another world size or TP/PP?)")
-    from yatt.placement.plan import Roles  # the one project type in a rank's state
+    from yatt.assets.data import PromptRow
+    from yatt.placement.plan import Roles
+    from yatt.placement.runner import SampleGroup  # rollout_apart: the in-flight rollouts
+    from yatt.rollout.vllm_engine import Completion
 
-    # weights_only: tensors, containers, numbers and strings; no code from the file runs
-    with torch.serialization.safe_globals([Roles]):
+    # weights_only: tensors, containers, numbers, strings and these project types; no code from the file runs
+    with torch.serialization.safe_globals([Roles, SampleGroup, Completion, PromptRow]):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
