@@ -16,7 +16,7 @@ from yatt.placement.stream import StreamReceiver, StreamSender
 def main() -> None:
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    cfg = SimpleNamespace(placement=SimpleNamespace(mode="partial_colocate", genrm_ranks="auto", auto_repeats=1,
+    cfg = SimpleNamespace(placement=SimpleNamespace(mode="partial_colocate", genrm_ranks="auto", rollout_ranks=1, auto_repeats=1,
                                                               keep_engines="always"),
                           reward=SimpleNamespace(type="genrm"), seed=0)
     placement = Placement(cfg, rank, world, build_rollout=None, scorer=SimpleNamespace(uses_judge=True), decode=None)
