@@ -171,6 +171,10 @@ class Placement:
     def close(self) -> None:
         self.rollout.close()
         self.judge.close()
+        if self.roles.apart and self.trains:  # the samplers' closes destroyed vLLM's groups there
+            from yatt.rollout.vllm_engine import leave_engine_groups
+
+            leave_engine_groups()
 
     @property
     def releases(self) -> bool:

@@ -184,6 +184,18 @@ def join_engine_groups(model_path) -> None:
         ps.ensure_model_parallel_initialized(1, 1)
 
 
+def leave_engine_groups() -> None:
+    """Counterpart of :func:`join_engine_groups`, where the other ranks shut their engines down:
+    destroy vLLM's process groups on this rank as their shutdown does on theirs (the
+    torch.distributed default group stays), so a later engine build on every rank creates them
+    anew everywhere. A no-op where none exist."""
+    from vllm.distributed import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    with _keep_default_process_group():
+        ps.destroy_distributed_environment()
+
+
 def _shutdown_keep_world(core) -> None:
     with _keep_default_process_group(), _no_heap_wide_gc():
         core.shutdown()
