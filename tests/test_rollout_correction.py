@@ -71,6 +71,7 @@ def test_the_step_stage_writes_weights_and_metrics():
     plain = [[{"response_mask": MASK, "old_logprobs": OLD, "rollout_logprobs": ROLLOUT}]]
     assert set(rollout_correction(plain, AlgoConfig())) == {"rollout_kl"} and "is_weights" not in plain[0][0]
     assert rollout_correction(plain, AlgoConfig(recompute_old_logprobs=False)) == {}
+    assert rollout_correction([], AlgoConfig(rollout_correction="tis")) == {}  # every group skipped: no 0 metrics
 
 
 def test_config_checks_name_the_key():

@@ -62,7 +62,8 @@ def rollout_correction(mini_batches: list[list[dict]], cfg: AlgoConfig) -> dict[
         staleness), and with a correction ``is_weight_mean`` (the applied weight),
         ``is_ratio_max`` (this rank's largest ratio; the step's record holds the max over ranks)
         and ``is_corrected_frac`` (tokens truncated or dropped). ``{}`` when the old logprobs are
-        the rollout's (nothing to compare).
+        the rollout's (nothing to compare) or this rank has no response token (every group
+        skipped: the step's record then omits them rather than report 0).
     """
     if not cfg.recompute_old_logprobs:
         return {}
@@ -80,6 +81,8 @@ def rollout_correction(mini_batches: list[list[dict]], cfg: AlgoConfig) -> dict[
         weight += float(c.weights.sum())
         corrected += float(c.corrected.sum())
         ratio_max = max(ratio_max, float(masked(c.ratio, mask).max()) if c.ratio.numel() else 0.0)
+    if not tokens:
+        return {}
     sums = {"rollout_kl": (kl, tokens)}
     if cfg.rollout_correction != "none":
         sums.update({"is_weight_mean": (weight, tokens), "is_ratio_max": (ratio_max, 1.0),
