@@ -41,10 +41,11 @@ def run(items: list[str]) -> None:
         dist.destroy_process_group()  # a gloo group torn down at interpreter exit may abort the process
 
 
-if __name__ == "__main__":
-    faulthandler.dump_traceback_later(float(os.environ.get("YATT_TEST_JOB_TIMEOUT", 900)), exit=True)
+def or_abort(fn, *args) -> None:
+    """``fn(*args)``; on any failure print the traceback and abort the whole job (MPI_Abort), so
+    no rank waits for a peer that failed. Each script's ``__main__`` runs its ``main`` this way."""
     try:
-        run(sys.argv[1:])
+        fn(*args)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
@@ -52,3 +53,8 @@ if __name__ == "__main__":
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    faulthandler.dump_traceback_later(float(os.environ.get("YATT_TEST_JOB_TIMEOUT", 900)), exit=True)
+    or_abort(run, sys.argv[1:])

@@ -99,13 +99,6 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1] if len(sys.argv) > 1 else "tp")
-    except BaseException:
-        import traceback
+    from in_one_job import or_abort
 
-        traceback.print_exc()
-        sys.stdout.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+    or_abort(main, sys.argv[1] if len(sys.argv) > 1 else "tp")

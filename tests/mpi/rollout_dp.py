@@ -10,9 +10,7 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
-import sys
 import time
-import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -130,12 +128,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(float(os.environ.get("ROLLOUT_DP_TIMEOUT", 600)), exit=True)
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        from mpi4py import MPI
+    from in_one_job import or_abort
 
-        MPI.COMM_WORLD.Abort(1)
+    or_abort(main)

@@ -10,7 +10,6 @@ trainer's (tolerance SYNC_TOL) and differ from before the step. Prints "sync OK"
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 SYNC_TOL = 1e-4  # measured ~2e-5 (fp32 CPU kernels of two engines)
@@ -67,13 +66,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        import traceback
+    from in_one_job import or_abort
 
-        traceback.print_exc()
-        sys.stdout.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+    or_abort(main)
