@@ -173,15 +173,16 @@ DEMO_RECIPE = "configs/grpo_smollm2.yaml"
 DEMO_EVAL_SET = "eval.sets=[{name: chain, type: task, task: chain_sum, size: 4}]"  # a named set besides data's
 
 
-def launch_job(out: Path, *extra: str, script: str | None = None) -> subprocess.Popen:
+def launch_job(out: Path, *extra: str, script: str | None = None, env: dict[str, str] | None = None
+               ) -> subprocess.Popen:
     """``mpirun -np 2`` of the demo recipe with :data:`DEMO_ARGS` into ``out`` (``python -m yatt.launch``,
-    or ``script`` given the same arguments), stdout and stderr appended to ``<out>.log``; the job
-    runs in a session of its own (see :func:`kill_job`)."""
+    or ``script`` given the same arguments), stdout and stderr appended to ``<out>.log``, ``env``
+    added to :func:`job_env`; the job runs in a session of its own (see :func:`kill_job`)."""
     entry = [script] if script else ["-m", "yatt.launch"]
     cmd = [str(MPIRUN), "-np", "2", sys.executable, *entry, "--config", DEMO_RECIPE, *DEMO_ARGS,
            f"output_dir={out}", *extra]
     log = open(out.parent / f"{out.name}.log", "ab")
-    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(**(env or {})), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_job(proc: subprocess.Popen, until=None, timeout: float = 400) -> int | None:

@@ -45,3 +45,9 @@ async def async_slow(prompt, response, row):
 
 
 not_callable = 3
+
+
+def parity(prompt, response, row):
+    """1 for an odd sum of character codes: a group of n random responses carries no signal with
+    probability 2 / 2**n, so dynamic sampling refills now and then."""
+    return float(sum(map(ord, response)) % 2)
