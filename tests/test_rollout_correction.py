@@ -64,6 +64,7 @@ def test_the_step_stage_writes_weights_and_metrics():
              "rollout_logprobs": torch.zeros(1, 2)}]]
     sums = rollout_correction(mbs, AlgoConfig(rollout_correction="tis"))
     assert sums["is_weight_mean"] == pytest.approx((2 + 1.5 + 0.25 + 2, 5.0))
+    assert sums["is_weight_max"] == pytest.approx((2.0, 1.0))  # the ratio 3 truncated at C
     assert sums["is_ratio_max"] == pytest.approx((3.0, 1.0)) and sums["is_corrected_frac"] == (1.0, 5.0)
     k3 = sum(r - 1 - math.log(r) for r in (3.0, 1.5, 0.25))  # KL(rollout || old) from the rollout's samples
     assert sums["rollout_kl"] == pytest.approx((k3, 5.0))

@@ -60,7 +60,8 @@ def rollout_correction(mini_batches: list[list[dict]], cfg: AlgoConfig) -> dict[
         (sum, count) pairs over response tokens: ``rollout_kl`` (k3 estimate of
         KL(pi_rollout || pi_old) from the rollout's samples: the engine/trainer mismatch plus any
         staleness), and with a correction ``is_weight_mean`` (the applied weight),
-        ``is_ratio_max`` (this rank's largest ratio; the step's record holds the max over ranks)
+        ``is_weight_max`` and ``is_ratio_max`` (this rank's largest applied weight and largest
+        ratio; the step's record holds the max over ranks)
         and ``is_corrected_frac`` (tokens truncated or dropped). ``{}`` when the old logprobs are
         the rollout's (nothing to compare) or this rank has no response token (every group
         skipped: the step's record then omits them rather than report 0).
@@ -69,7 +70,7 @@ def rollout_correction(mini_batches: list[list[dict]], cfg: AlgoConfig) -> dict[
         return {}
     fn = correction_for(cfg.rollout_correction)
     kl = weight = corrected = tokens = 0.0
-    ratio_max = 0.0
+    ratio_max = weight_max = 0.0
     for mb in (mb for mbs in mini_batches for mb in mbs):
         mask = mb["response_mask"]
         kl += float(masked_sum(kl_penalty(mb["rollout_logprobs"], mb["old_logprobs"], "k3", mask), mask))
@@ -80,13 +81,15 @@ def rollout_correction(mini_batches: list[list[dict]], cfg: AlgoConfig) -> dict[
         mb["is_weights"] = c.weights
         weight += float(c.weights.sum())
         corrected += float(c.corrected.sum())
-        ratio_max = max(ratio_max, float(masked(c.ratio, mask).max()) if c.ratio.numel() else 0.0)
+        if c.ratio.numel():  # weights are 0 off the response
+            ratio_max = max(ratio_max, float(masked(c.ratio, mask).max()))
+            weight_max = max(weight_max, float(c.weights.max()))
     if not tokens:
         return {}
     sums = {"rollout_kl": (kl, tokens)}
     if cfg.rollout_correction != "none":
-        sums.update({"is_weight_mean": (weight, tokens), "is_ratio_max": (ratio_max, 1.0),
-                     "is_corrected_frac": (corrected, tokens)})
+        sums.update({"is_weight_mean": (weight, tokens), "is_weight_max": (weight_max, 1.0),
+                     "is_ratio_max": (ratio_max, 1.0), "is_corrected_frac": (corrected, tokens)})
     return sums
 
 
