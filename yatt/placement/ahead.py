@@ -119,8 +119,16 @@ class RolloutsAhead:
         return {"produced_through": self.produced_through, "version": self.version, "queue": self.queue}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (collective: every rank, at the same point of the resume);
+        rank 0 logs the in-flight batches the samplers got back and the policies that made them."""
+        import torch.distributed as dist
+
         self.produced_through, self.version, self.queue = state["produced_through"], state["version"], state["queue"]
-        if self.rank == self.roles.samplers[0] and self.queue:
+        first = self.roles.samplers[0]
+        box = [(sorted(self.queue), sorted({g.version for made, _ in self.queue.values() for g, _ in made}))
+               if self.rank == first else None]
+        dist.broadcast_object_list(box, src=first)
+        steps, versions = box[0]
+        if self.rank == 0 and steps:
             log.info("resume: %d in-flight batch(es) (steps %s, made by the policy of step(s) %s) restored from the "
-                     "checkpoint; they are trained as they would have been", len(self.queue), sorted(self.queue),
-                     sorted({g.version for made, _ in self.queue.values() for g, _ in made}))
+                     "checkpoint; they are trained as they would have been", len(steps), steps, versions)
