@@ -5,7 +5,9 @@ the resharding plans and the copy kernel turn the trainer layout into the engine
 bucket into one contiguous byte buffer and sends it to its samplers: a small pickled header
 (names, dtypes, shapes, byte sizes), then the buffer as one raw MPI message; ``None`` ends the
 push. A sampler hands the tensors to its engine as they arrive, so each side holds about one
-bucket beyond its model, and no rank ever gathers a second full copy. Point-to-point over
+bucket beyond its model, and no rank ever gathers a second full copy. A push starts when the
+sampler says it is ready (it has finished its generation calls), so the trainer's wait for it is
+measured apart from the transfer. Point-to-point over
 ``MPI.COMM_WORLD`` with tags of their own: the step's other collectives are not disturbed.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-TAG_HEADER, TAG_BUFFER = 7301, 7302
+TAG_HEADER, TAG_BUFFER, TAG_READY = 7301, 7302, 7303
 ALIGN = 16  # bytes
 
 
@@ -29,11 +31,21 @@ def pairs_of(roles, rank: int) -> tuple[list[int], int | None]:
     return [], t[s.index(rank) % len(t)]
 
 
-def send_weights(weights: Iterable[tuple[str, torch.Tensor]], dests: list[int], bucket_bytes: int, comm=None) -> int:
+def send_weights(weights: Iterable[tuple[str, torch.Tensor]], dests: list[int], bucket_bytes: int,
+                 comm=None) -> tuple[int, float]:
     """Send ``weights`` (HF name, tensor) to every rank of ``dests`` in buckets of about
-    ``bucket_bytes``; returns the bytes sent to each. Blocking: returns once every bucket was
-    received. Reads ``weights`` fully even without ``dests`` (it may be collective)."""
+    ``bucket_bytes``, once each of them is ready (its :class:`WeightInbox` waits). Blocking:
+    returns once every bucket was received. Reads ``weights`` fully even without ``dests`` (it
+    may be collective).
+
+    Returns:
+        (bytes sent to each rank, seconds spent waiting for the ranks to be ready: idle time).
+    """
     comm = comm or _world()
+    t0 = time.perf_counter()
+    for d in dests:
+        comm.recv(source=d, tag=TAG_READY)
+    waited = time.perf_counter() - t0
     bucket: list[tuple[str, torch.Tensor]] = []
     size = sent = 0
     for name, tensor in weights:
@@ -48,7 +60,7 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], dests: list[int], 
         sent += _send_bucket(bucket, dests, comm)
     for d in dests:
         comm.send(None, dest=d, tag=TAG_HEADER)
-    return sent
+    return sent, waited
 
 
 def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dests: list[int], comm) -> int:
@@ -69,8 +81,8 @@ def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dests: list[int], comm)
 class WeightInbox:
     """The weights one push brings to a sampler, from trainer ``source``.
 
-    :meth:`wait` blocks until the push starts (``wait_s``: the seconds spent waiting for the
-    trainer, idle time); iterating yields ``(HF name, tensor)`` pairs bucket by bucket, each
+    :meth:`wait` tells the trainer this rank is ready, then blocks until the push starts
+    (``wait_s``: the seconds spent waiting for the trainer, idle time); iterating yields ``(HF name, tensor)`` pairs bucket by bucket, each
     bucket's tensors views of one received buffer, until the push ends. Iterate it fully, once.
     """
 
@@ -82,6 +94,7 @@ class WeightInbox:
 
     def wait(self) -> None:
         t0 = time.perf_counter()
+        self.comm.send(True, dest=self.source, tag=TAG_READY)
         self._header = self.comm.recv(source=self.source, tag=TAG_HEADER)
         self.wait_s, self._waited = time.perf_counter() - t0, True
 

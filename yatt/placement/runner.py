@@ -380,7 +380,9 @@ class Placement:
         bucket = int(self.cfg.trainer.sync_bucket_mb * (1 << 20))
         if self.trains:
             with timer("sync"):
-                send_weights(actor.export_hf_weights(bucket), dests, bucket)
+                _, waited = send_weights(actor.export_hf_weights(bucket), dests, bucket)
+            timer.times["time_sync_s"] -= waited  # the wait for the samplers to finish sampling is idle
+            self.idle_s += waited
             return
         inbox = WeightInbox(source)
         inbox.wait()
