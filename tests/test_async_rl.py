@@ -9,6 +9,8 @@ importance sampling, so every step's metrics depend on the stale rollout logprob
 from __future__ import annotations
 
 import json
+import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,7 @@ def _run(out: Path, *args: str, **env: str) -> list[dict]:
     return _records(out)
 
 
-def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly(tmp_path, tiny_policy):
+def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly_after_sigterm(tmp_path, tiny_policy):
     model = f"model.path={tiny_policy}"
     groups = tmp_path / "groups"
     groups.mkdir()
@@ -52,7 +54,17 @@ def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly(t
                   YATT_REPLAY_DIR=str(groups))
     assert replay == ref  # every step's loss, grad norm, IS statistics, ... and the evals (engines got the weights)
 
-    # 2. resume from step 2 (its in-flight batch of step 3, made by the policy of step 1, comes back)
-    resumed = _run(tmp_path / "resumed", model, *ARGS, "rollout.max_staleness=1",
-                   f"resume={tmp_path / 'async' / 'checkpoints' / 'step_000002'}")
-    assert resumed == [r for r in ref if r["step"] == 3]  # a batch sampled anew by the step-2 policy would differ
+    # 2. SIGTERM once step 1 is recorded: the run saves, with its in-flight batch, and exits 75; run
+    #    again, it resumes there and ends with every record equal to the uninterrupted run's
+    run, log = tmp_path / "preempted", tmp_path / "preempted.log"
+    proc = launch_job(run, model, *ARGS, "rollout.max_staleness=1")
+    assert wait_job(proc, until=lambda: log.exists() and "step    1 |" in log.read_text()) is None
+    proc.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
+    assert wait_job(proc) == 75, log.read_text()[-4000:]
+    saved = int(re.search(r"SIGTERM received: saved step (\d+)", log.read_text()).group(1))
+    assert saved in (1, 2), log.read_text()[-4000:]
+    assert _run(run, model, *ARGS, "rollout.max_staleness=1") == ref
+    # a batch sampled anew by the resumed policy would have differed; the log names the one restored
+    text = log.read_text().partition("exiting with code 75")[2]  # the second run's lines
+    restored = f"1 in-flight batch(es) (steps [{saved + 1}], made by the policy of step(s) [{saved - 1}])"
+    assert restored in text, text[-3000:]
