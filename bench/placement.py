@@ -1,12 +1,16 @@
-"""Placement benchmark: the GenRM recipe in all three placement modes, same world, same seeds.
+"""Placement benchmark: the GenRM recipe in every placement mode, same world, same seeds.
 
-    python bench/placement.py [--np 2] [--steps 4] [--config configs/grpo_smollm2_genrm.yaml]
-                              [--out runs/bench_placement] [override ...]
+    python bench/placement.py [--np 2] [--steps 6] [--config configs/grpo_smollm2_genrm.yaml]
+                              [--modes colocate,apart_sync,apart_async] [--out runs/bench_placement]
+                              [override ...]
 
 Runs ``mpirun -np NP python -m yatt.launch`` once per mode (colocate, partial_colocate,
-disaggregated) with the same recipe, seed and overrides, and colocate once more with
+disaggregated) with the same recipe, seed and overrides, colocate once more with
 ``placement.keep_engines=never`` (every engine torn down and rebuilt around each phase, as before
-engines could stay resident), then reads each run's ``metrics.jsonl``. Step 1 is dropped from the means (first-call warm-up); the remaining steps
+engines could stay resident), and ``rollout_apart`` (the last rank samples and judges, the others
+train) twice: ``apart_sync`` with ``rollout.max_staleness=0`` (samplers wait for each new policy)
+and ``apart_async`` with ``rollout.max_staleness=1`` (the next step's batch is sampled while this
+one trains); ``--modes`` picks a subset. It then reads each run's ``metrics.jsonl``. Step 1 is dropped from the means (first-call warm-up); the remaining steps
 are averaged. Prints a table of per-phase and per-step seconds and a final line
 
     colocate_vs_disaggregated=<step time ratio> partial_vs_colocate_rollout=<ratio>
@@ -15,7 +19,13 @@ are averaged. Prints a table of per-phase and per-step seconds and a final line
 where the rollout ratio compares the rollout + GenRM phase *including* the engine switches it
 needs (CPU: engine teardown/rebuild; the weight push), i.e. ``step - logprob - train - reward``.
 The compute-only ratio (``time_rollout_genrm_s``: sampling and judging, no engine switches)
-is printed beside it.
+is printed beside it. With both rollout_apart runs it also prints
+
+    async_vs_sync_disaggregated=<apart_async step / apart_sync step> overlap_bound_s=<s>
+    async_vs_bound=<apart_async step / overlap_bound_s> colocate_step_s=<s>
+
+where the overlap bound is the larger of the samplers' and the trainers' busy seconds per step in
+the synchronous run: what a step costs when either side's work hides the other's entirely.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ from pathlib import Path
 from timing import run_job
 MODES = ("colocate", "partial_colocate", "disaggregated")
 RELEASE = "colocate_release"  # colocate with placement.keep_engines=never
+APART = {"apart_sync": 0, "apart_async": 1}  # rollout_apart, one sampler rank: rollout.max_staleness
 COLUMNS = ("time_rollout_s", "time_genrm_s", "time_rollout_genrm_s", "time_engines_s", "time_sync_s",
            "time_logprob_s", "time_train_s", "idle_s", "time_step_s")
 
@@ -33,6 +44,8 @@ def run_mode(mode: str, args, extra: list[str]) -> tuple[list[dict], float]:
     out = Path(args.out) / mode
     if mode == RELEASE:
         mode, extra = "colocate", ["placement.keep_engines=never", *extra]
+    elif mode in APART:
+        mode, extra = "rollout_apart", ["placement.rollout_ranks=1", f"rollout.max_staleness={APART[mode]}", *extra]
     records, wall = run_job(args.np, ["--config", args.config, f"placement.mode={mode}",
                                       f"trainer.total_steps={args.steps}", f"output_dir={out}", "overwrite=true",
                                       *extra], out, mode)
@@ -40,42 +53,68 @@ def run_mode(mode: str, args, extra: list[str]) -> tuple[list[dict], float]:
 
 
 def means(steps: list[dict]) -> dict[str, float]:
-    used = steps[1:] if len(steps) > 1 else steps  # step 1 pays first-call warm-up
+    # step 1 pays first-call warm-up (and fills rollout_apart's pipeline), the last step drains it (no
+    # batch ahead to make): the steps between are the steady state
+    used = steps[1:-1] if len(steps) > 2 else steps
     out = {k: sum(r.get(k, 0.0) for r in used) / len(used) for k in COLUMNS}
     out["rollout_phase_s"] = out["time_step_s"] - out["time_logprob_s"] - out["time_train_s"] - sum(
         r.get("time_reward_s", 0.0) for r in used) / len(used)
     out["reward_genrm_mean"] = sum(r.get("reward_genrm_mean", 0.0) for r in used) / len(used)
     out["engines_resident"] = used[-1].get("engines_resident", 0.0)
+    for side in ("sampler_busy_s", "trainer_busy_s"):  # rollout_apart only
+        out[side] = sum(r.get(side, 0.0) for r in used) / len(used)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--config", default="configs/grpo_smollm2_genrm.yaml")
+    ap.add_argument("--modes", default=",".join((*MODES, RELEASE, *APART)),
+                    help=f"comma-separated subset of {', '.join((*MODES, RELEASE, *APART))}")
     ap.add_argument("--out", default="runs/bench_placement")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every mode")
     args = ap.parse_args()
     extra = ["data.eval_size=8", *args.overrides]  # evaluation is outside the step; keep it short
+    modes = args.modes.split(",")
+    if unknown := set(modes) - {*MODES, RELEASE, *APART}:
+        ap.error(f"--modes: unknown {sorted(unknown)}")
     results = {}
-    for mode in (*MODES, RELEASE):
+    for mode in modes:
         steps, wall = run_mode(mode, args, extra)
         results[mode] = means(steps)
         print(f"  {mode}: {len(steps)} steps, {wall:.0f} s wall", flush=True)
     cols = (*COLUMNS, "rollout_phase_s")
-    print(f"\nworld {args.np}, {args.steps} steps per mode, means over steps 2..{args.steps} (seconds; phase times"
+    print(f"\nworld {args.np}, {args.steps} steps per mode, means over steps 2..{args.steps - 1} (seconds; phase times"
           " are the max over ranks, idle the mean over ranks)")
     print(f"{'mode':<18}" + "".join(f"{c.removeprefix('time_').removesuffix('_s'):>15}" for c in cols))
     for mode, m in results.items():
         print(f"{mode:<18}" + "".join(f"{m[c]:>15.1f}" for c in cols))
-    co, pa, di, rel = (results[m] for m in (*MODES, RELEASE))
-    print(f"compute-only rollout+GenRM: partial/colocate = {pa['time_rollout_genrm_s'] / co['time_rollout_genrm_s']:.3f}")
-    print(f"colocate_vs_disaggregated={co['time_step_s'] / di['time_step_s']:.3f} "
-          f"partial_vs_colocate_rollout={pa['rollout_phase_s'] / co['rollout_phase_s']:.3f}")
-    print(f"colocate_engines_saved_s={rel['time_engines_s'] - co['time_engines_s']:.1f} (engines resident in colocate: "
-          f"{co['engines_resident']:.0f}; colocate_release_vs_disaggregated={rel['time_step_s'] / di['time_step_s']:.3f})")
+    print_ratios(results)
 
+
+def print_ratios(results: dict[str, dict[str, float]]) -> None:
+    """The summary lines of the modes that ran."""
+    co, pa, di, rel = (results.get(m) for m in (*MODES, RELEASE))
+    if co and pa:
+        print(f"compute-only rollout+GenRM: partial/colocate = "
+              f"{pa['time_rollout_genrm_s'] / co['time_rollout_genrm_s']:.3f}")
+        print(f"partial_vs_colocate_rollout={pa['rollout_phase_s'] / co['rollout_phase_s']:.3f}")
+    if co and di:
+        print(f"colocate_vs_disaggregated={co['time_step_s'] / di['time_step_s']:.3f}")
+    if co and rel:
+        print(f"colocate_engines_saved_s={rel['time_engines_s'] - co['time_engines_s']:.1f} (engines resident in "
+              f"colocate: {co['engines_resident']:.0f})")
+    if rel and di:
+        print(f"colocate_release_vs_disaggregated={rel['time_step_s'] / di['time_step_s']:.3f}")
+    sync, async_ = results.get("apart_sync"), results.get("apart_async")
+    if sync and async_:
+        bound = max(sync["sampler_busy_s"], sync["trainer_busy_s"])
+        print(f"async_vs_sync_disaggregated={async_['time_step_s'] / sync['time_step_s']:.3f} "
+              f"overlap_bound_s={bound:.1f} (sampler {sync['sampler_busy_s']:.1f}, trainer "
+              f"{sync['trainer_busy_s']:.1f}) async_vs_bound={async_['time_step_s'] / bound:.3f}"
+              + (f" colocate_step_s={co['time_step_s']:.1f}" if co else ""))
 
 if __name__ == "__main__":
     main()
