@@ -1,4 +1,5 @@
 """python -m yatt.plot on a real run's metrics (the demo's metrics.jsonl, 2026-11-30)."""
+import json
 import shutil
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import matplotlib.image
 import pytest
 
 from conftest import ROOT
-from yatt.plot import load_records, plot
+from yatt.plot import compare, load_records, plot
 
 METRICS = ROOT / "tests" / "data" / "grpo_smollm2_metrics.jsonl"
 
@@ -30,3 +31,26 @@ def test_plot_command_writes_a_png_of_every_panel(tmp_path):
 def test_plot_without_metrics_raises(tmp_path):
     with pytest.raises(FileNotFoundError):
         plot(tmp_path)
+
+
+def test_compare_writes_one_png_of_several_runs(tmp_path):
+    """Two runs (the demo's records, the second with IS statistics added): one line per run where a
+    run has the metric."""
+    runs = [tmp_path / "sync", tmp_path / "async"]
+    for run in runs:
+        run.mkdir()
+        shutil.copy(METRICS, run / "metrics.jsonl")
+    rows = [json.loads(line) for line in METRICS.read_text().splitlines()]
+    (runs[1] / "metrics.jsonl").write_text("".join(
+        json.dumps({**r, "is_weight_mean": 1.0, "is_ratio_max": 1.2, "rollout_kl": 1e-3} if "reward_mean" in r else r)
+        + "\n" for r in rows))
+    out = subprocess.run([sys.executable, "-m", "yatt.plot", *map(str, runs), "--labels", "K=0,K=1",
+                          "--out", str(tmp_path / "cmp.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    image = matplotlib.image.imread(tmp_path / "cmp.png")
+    assert image.shape[0] > 500 and image[..., :3].std() > 0.05
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        compare(runs, ["one"], tmp_path / "x.png")
+    missing = subprocess.run([sys.executable, "-m", "yatt.plot", *map(str, runs)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and "--out" in missing.stderr

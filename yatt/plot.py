@@ -1,4 +1,5 @@
-"""Plot a run's curves: ``python -m yatt.plot RUN_DIR [--out FILE]`` writes a PNG.
+"""Plot a run's curves: ``python -m yatt.plot RUN_DIR [--out FILE]`` writes a PNG;
+``python -m yatt.plot RUN_DIR RUN_DIR ... [--labels A,B,...] --out FILE`` compares runs.
 
 Reads ``RUN_DIR/metrics.jsonl``: training records (with ``reward_mean``) and eval records
 (with ``eval_accuracy``).
@@ -66,12 +67,60 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
+COMPARED = (("reward_mean", "training reward"), ("eval_accuracy", "held-out greedy accuracy"),
+            ("rollout_kl", "rollout KL (k3, rollout || old)"), ("is_weight_mean", "IS weight, mean"),
+            ("is_ratio_max", "IS ratio pi_old / pi_rollout, max"), ("staleness_mean", "staleness (updates)"))
+
+
+def compare(run_dirs: list[str | Path], labels: list[str], out: str | Path) -> Path:
+    """Write one PNG comparing runs, one line per run in each panel of :data:`COMPARED` (training
+    reward, held-out accuracy, rollout KL, IS weight statistics, staleness) per step; a run
+    without a metric leaves no line in its panel.
+
+    Raises:
+        FileNotFoundError: a run without ``metrics.jsonl``. ValueError: not one label per run.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for run_dir, label in zip(run_dirs, labels):
+        records = load_records(run_dir)
+        for ax, (key, _) in zip(axes.ravel(), COMPARED):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="s" if key.startswith("eval_") else ".", label=label)
+    for ax, (_, title) in zip(axes.ravel(), COMPARED):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return Path(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("run_dir", nargs="+")
+    ap.add_argument("--out", default=None, help="PNG to write (default RUN_DIR/curves.png; required to compare)")
+    ap.add_argument("--labels", default=None, help="comma-separated, one per run (default: the folder names)")
     args = ap.parse_args()
-    print(plot(args.run_dir, args.out))
+    if len(args.run_dir) == 1:
+        print(plot(args.run_dir[0], args.out))
+        return
+    if args.out is None:
+        ap.error("--out: give the PNG to write when comparing runs")
+    labels = args.labels.split(",") if args.labels else [Path(d).name for d in args.run_dir]
+    print(compare(args.run_dir, labels, args.out))
 
 
 if __name__ == "__main__":
