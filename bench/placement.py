@@ -10,7 +10,7 @@ disaggregated) with the same recipe, seed and overrides, colocate once more with
 engines could stay resident), and ``rollout_apart`` (the last rank samples and judges, the others
 train) twice: ``apart_sync`` with ``rollout.max_staleness=0`` (samplers wait for each new policy)
 and ``apart_async`` with ``rollout.max_staleness=1`` (the next step's batch is sampled while this
-one trains); ``--modes`` picks a subset. It then reads each run's ``metrics.jsonl``. Step 1 is dropped from the means (first-call warm-up); the remaining steps
+one trains), and ``apart_async2`` with 2; ``--modes`` picks a subset. It then reads each run's ``metrics.jsonl``. Step 1 is dropped from the means (first-call warm-up); the remaining steps
 are averaged. Prints a table of per-phase and per-step seconds and a final line
 
     colocate_vs_disaggregated=<step time ratio> partial_vs_colocate_rollout=<ratio>
@@ -26,6 +26,10 @@ is printed beside it. With both rollout_apart runs it also prints
 
 where the overlap bound is the larger of the samplers' and the trainers' busy seconds per step in
 the synchronous run: what a step costs when either side's work hides the other's entirely.
+``async_vs_busier_side`` compares the async step with its own run's busier side, step by step
+(1.0: each step's overlap is perfect; above the bound when the sides' work varies from step to
+step, as each step waits for that step's slower side). ``apart_async2`` (``rollout.max_staleness=2``)
+prints the same line, named ``..._k2``.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from pathlib import Path
 from timing import run_job
 MODES = ("colocate", "partial_colocate", "disaggregated")
 RELEASE = "colocate_release"  # colocate with placement.keep_engines=never
-APART = {"apart_sync": 0, "apart_async": 1}  # rollout_apart, one sampler rank: rollout.max_staleness
+APART = {"apart_sync": 0, "apart_async": 1, "apart_async2": 2}  # rollout_apart, one sampler: rollout.max_staleness
 COLUMNS = ("time_rollout_s", "time_genrm_s", "time_rollout_genrm_s", "time_engines_s", "time_sync_s",
            "time_logprob_s", "time_train_s", "idle_s", "time_step_s")
 
@@ -52,10 +56,11 @@ def run_mode(mode: str, args, extra: list[str]) -> tuple[list[dict], float]:
     return [r for r in records if "time_step_s" in r], wall
 
 
-def means(steps: list[dict]) -> dict[str, float]:
-    # step 1 pays first-call warm-up (and fills rollout_apart's pipeline), the last step drains it (no
-    # batch ahead to make): the steps between are the steady state
-    used = steps[1:-1] if len(steps) > 2 else steps
+def means(steps: list[dict], drain: int = 1) -> dict[str, float]:
+    """Means over steps 2 .. N-drain of the run's step records (all of them when fewer)."""
+    # step 1 pays first-call warm-up (and fills rollout_apart's pipeline), the last K steps drain it
+    # (no batch ahead to make): the steps between are the steady state
+    used = steps[1:-drain] if len(steps) > drain + 1 else steps
     out = {k: sum(r.get(k, 0.0) for r in used) / len(used) for k in COLUMNS}
     out["rollout_phase_s"] = out["time_step_s"] - out["time_logprob_s"] - out["time_train_s"] - sum(
         r.get("time_reward_s", 0.0) for r in used) / len(used)
@@ -63,6 +68,8 @@ def means(steps: list[dict]) -> dict[str, float]:
     out["engines_resident"] = used[-1].get("engines_resident", 0.0)
     for side in ("sampler_busy_s", "trainer_busy_s"):  # rollout_apart only
         out[side] = sum(r.get(side, 0.0) for r in used) / len(used)
+    # rollout_apart: the busier side's seconds, step by step (what a perfect overlap of each step would take)
+    out["busier_side_s"] = sum(max(r.get("sampler_busy_s", 0.0), r.get("trainer_busy_s", 0.0)) for r in used) / len(used)
     return out
 
 
@@ -83,10 +90,11 @@ def main() -> None:
     results = {}
     for mode in modes:
         steps, wall = run_mode(mode, args, extra)
-        results[mode] = means(steps)
+        results[mode] = means(steps, max(1, APART.get(mode, 1)))
         print(f"  {mode}: {len(steps)} steps, {wall:.0f} s wall", flush=True)
     cols = (*COLUMNS, "rollout_phase_s")
-    print(f"\nworld {args.np}, {args.steps} steps per mode, means over steps 2..{args.steps - 1} (seconds; phase times"
+    print(f"\nworld {args.np}, {args.steps} steps per mode, means over steps 2..{args.steps - 1} "
+          f"(2..{args.steps - 2} for apart_async2; seconds; phase times"
           " are the max over ranks, idle the mean over ranks)")
     print(f"{'mode':<18}" + "".join(f"{c.removeprefix('time_').removesuffix('_s'):>15}" for c in cols))
     for mode, m in results.items():
@@ -108,13 +116,16 @@ def print_ratios(results: dict[str, dict[str, float]]) -> None:
               f"colocate: {co['engines_resident']:.0f})")
     if rel and di:
         print(f"colocate_release_vs_disaggregated={rel['time_step_s'] / di['time_step_s']:.3f}")
-    sync, async_ = results.get("apart_sync"), results.get("apart_async")
-    if sync and async_:
-        bound = max(sync["sampler_busy_s"], sync["trainer_busy_s"])
-        print(f"async_vs_sync_disaggregated={async_['time_step_s'] / sync['time_step_s']:.3f} "
-              f"overlap_bound_s={bound:.1f} (sampler {sync['sampler_busy_s']:.1f}, trainer "
-              f"{sync['trainer_busy_s']:.1f}) async_vs_bound={async_['time_step_s'] / bound:.3f}"
-              + (f" colocate_step_s={co['time_step_s']:.1f}" if co else ""))
+    sync = results.get("apart_sync")
+    for mode, k in (("apart_async", 1), ("apart_async2", 2)):
+        if sync and (async_ := results.get(mode)):
+            bound = max(sync["sampler_busy_s"], sync["trainer_busy_s"])
+            name = "async_vs_sync_disaggregated" + ("" if k == 1 else f"_k{k}")
+            print(f"{name}={async_['time_step_s'] / sync['time_step_s']:.3f} "
+                  f"overlap_bound_s={bound:.1f} (sampler {sync['sampler_busy_s']:.1f}, trainer "
+                  f"{sync['trainer_busy_s']:.1f}) async_vs_bound={async_['time_step_s'] / bound:.3f} "
+                  f"async_vs_busier_side={async_['time_step_s'] / async_['busier_side_s']:.3f}"
+                  + (f" colocate_step_s={co['time_step_s']:.1f}" if co else ""))
 
 if __name__ == "__main__":
     main()
