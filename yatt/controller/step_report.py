@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_sampling_groups_dropped",
             "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped",
             "sft_rows_skipped", "dpo_rows_skipped", "rm_rows_skipped")  # summed over ranks, not averaged
-MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures", "is_ratio_max", "is_weight_max",
-          "staleness_max")  # max over ranks
+MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures", "is_ratio_max",
+          "is_weight_max", "staleness_max")  # max over ranks
 
 
 def report_step(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> dict:

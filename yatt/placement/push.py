@@ -7,8 +7,8 @@ bucket into one contiguous byte buffer and sends it to its samplers: a small pic
 push. A sampler hands the tensors to its engine as they arrive, so each side holds about one
 bucket beyond its model, and no rank ever gathers a second full copy. A push starts when the
 sampler says it is ready (it has finished its generation calls), so the trainer's wait for it is
-measured apart from the transfer. Point-to-point over
-``MPI.COMM_WORLD`` with tags of their own: the step's other collectives are not disturbed.
+measured apart from the transfer. Point-to-point over ``MPI.COMM_WORLD`` with tags of their own:
+the step's other collectives are not disturbed.
 """
 from __future__ import annotations
 
@@ -82,8 +82,9 @@ class WeightInbox:
     """The weights one push brings to a sampler, from trainer ``source``.
 
     :meth:`wait` tells the trainer this rank is ready, then blocks until the push starts
-    (``wait_s``: the seconds spent waiting for the trainer, idle time); iterating yields ``(HF name, tensor)`` pairs bucket by bucket, each
-    bucket's tensors views of one received buffer, until the push ends. Iterate it fully, once.
+    (``wait_s``: the seconds spent waiting for the trainer, idle time); iterating yields
+    ``(HF name, tensor)`` pairs bucket by bucket, each bucket's tensors views of one received
+    buffer, until the push ends. Iterate it fully, once.
     """
 
     def __init__(self, source: int, comm=None) -> None:
