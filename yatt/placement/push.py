@@ -51,7 +51,7 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], dests: list[int], 
     for name, tensor in weights:
         if not dests:
             continue
-        bucket.append((name, tensor.detach().cpu().contiguous()))
+        bucket.append((name, tensor.detach().cpu()))  # copied once, into the bucket's buffer
         size += bucket[-1][1].nbytes
         if size >= bucket_bytes:
             sent += _send_bucket(bucket, dests, comm)
@@ -66,12 +66,15 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], dests: list[int], 
 def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dests: list[int], comm) -> int:
     from mpi4py import MPI
 
-    header, parts = [], []
+    header = []
     for name, t in bucket:  # each tensor starts 16-byte aligned, so the receiver views any dtype in place
-        pad = -t.nbytes % ALIGN
-        header.append((name, t.dtype, tuple(t.shape), t.nbytes + pad))
-        parts += [t.reshape(-1).view(torch.uint8), torch.zeros(pad, dtype=torch.uint8)]
-    flat = torch.cat(parts).numpy()
+        header.append((name, t.dtype, tuple(t.shape), t.nbytes + (-t.nbytes % ALIGN)))
+    flat = torch.empty(sum(n for *_, n in header), dtype=torch.uint8)  # pads: any bytes
+    offset = 0
+    for (_, t), (*_, n) in zip(bucket, header):
+        flat[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)  # any layout, one copy
+        offset += n
+    flat = flat.numpy()
     for d in dests:
         comm.send(header, dest=d, tag=TAG_HEADER)
         comm.Send([flat, MPI.BYTE], dest=d, tag=TAG_BUFFER)
