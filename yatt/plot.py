@@ -120,6 +120,8 @@ def main() -> None:
     if args.out is None:
         ap.error("--out: give the PNG to write when comparing runs")
     labels = args.labels.split(",") if args.labels else [Path(d).name for d in args.run_dir]
+    if len(labels) != len(args.run_dir):
+        ap.error(f"--labels: {len(labels)} labels for {len(args.run_dir)} runs")
     print(compare(args.run_dir, labels, args.out))
 
 
