@@ -89,12 +89,12 @@ def compare(run_dirs: list[str | Path], labels: list[str], out: str | Path) -> P
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for run_dir, label in zip(run_dirs, labels):
+    for i, (run_dir, label) in enumerate(zip(run_dirs, labels)):
         records = load_records(run_dir)
         for ax, (key, _) in zip(axes.ravel(), COMPARED):
             points = [(r["step"], r[key]) for r in records if key in r]
-            if points:
-                ax.plot(*zip(*points), marker="s" if key.startswith("eval_") else ".", label=label)
+            if points:  # one color per run in every panel
+                ax.plot(*zip(*points), marker="s" if key.startswith("eval_") else ".", label=label, color=f"C{i % 10}")
     for ax, (_, title) in zip(axes.ravel(), COMPARED):
         ax.set_title(title)
         ax.set_xlabel("step")
