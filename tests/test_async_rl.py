@@ -1,6 +1,6 @@
 """Asynchronous RL (``placement.mode=rollout_apart``, ``rollout.max_staleness``) under ``mpirun -np 2``:
 rank 0 trains, rank 1 samples and scores, on conftest's tiny random policy (what is checked is the
-batch flow, the weight push and the checkpoint, the same code for any model).
+batch flow, the weight push, the checkpoint and the watchdog, the same code for any model).
 
 The runs use DAPO dynamic sampling with a reward that carries a signal in about half of the groups
 (``tests.reward_fns:parity``), so refill rounds happen, and recompute the old logprobs with truncated
@@ -9,13 +9,15 @@ importance sampling, so every step's metrics depend on the stale rollout logprob
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from pathlib import Path
 
 import pytest
 
-from conftest import launch_job, wait_job
+from conftest import kill_job, launch_job, wait_job
+from yatt.watchdog import EXIT_RANK_LOST
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 ARGS = ("placement.mode=rollout_apart", "trainer.total_steps=3", "algo.recompute_old_logprobs=true",
@@ -68,3 +70,22 @@ def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly_a
     text = log.read_text().partition("exiting with code 75")[2]  # the second run's lines
     restored = f"1 in-flight batch(es) (steps [{saved + 1}], made by the policy of step(s) [{saved - 1}])"
     assert restored in text, text[-3000:]
+
+
+def test_a_sampler_that_stops_ends_the_job_naming_it(tmp_path, tiny_policy):
+    """SIGSTOP the sampler rank (rank 1) once step 1 is recorded: the trainer, waiting for its next
+    batch, never hears from it again; the watchdog ends the job with exit 4 and names rank 1."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = launch_job(run, f"model.path={tiny_policy}", *ARGS, "rollout.max_staleness=1", "trainer.total_steps=8",
+                      "fault.timeout_s=6")
+    try:
+        assert wait_job(proc, until=lambda: log.exists() and "step    1 |" in log.read_text()) is None
+        pid = int(re.search(r"rank=host:pid 0=\S+:\d+ 1=\S+:(\d+)", log.read_text()).group(1))
+        os.kill(pid, signal.SIGSTOP)
+        code = wait_job(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    text = log.read_text()
+    assert code == EXIT_RANK_LOST, text[-4000:]
+    assert re.search(r"yatt: rank 1 \(\S+\) sent no heartbeat for [\d.]+ s; its last phase was", text), text[-4000:]
