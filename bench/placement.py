@@ -10,8 +10,11 @@ disaggregated) with the same recipe, seed and overrides, colocate once more with
 engines could stay resident), and ``rollout_apart`` (the last rank samples and judges, the others
 train) twice: ``apart_sync`` with ``rollout.max_staleness=0`` (samplers wait for each new policy)
 and ``apart_async`` with ``rollout.max_staleness=1`` (the next step's batch is sampled while this
-one trains), and ``apart_async2`` with 2; ``--modes`` picks a subset. It then reads each run's ``metrics.jsonl``. Step 1 is dropped from the means (first-call warm-up); the remaining steps
-are averaged. Prints a table of per-phase and per-step seconds and a final line
+one trains), and ``apart_async2`` with 2; ``--modes`` picks a subset. It then reads each run's
+``metrics.jsonl`` and averages steps 2 .. N-1 (2 .. N-2 for ``apart_async2``): step 1 pays the
+first calls' warm-up and makes ``rollout_apart``'s first batches, and in the last K steps the
+samplers have no batch ahead to make. Prints a table of per-phase and per-step seconds and, for
+the modes that ran,
 
     colocate_vs_disaggregated=<step time ratio> partial_vs_colocate_rollout=<ratio>
     colocate_engines_saved_s=<engine switch seconds per step that keeping engines saves>
@@ -69,7 +72,8 @@ def means(steps: list[dict], drain: int = 1) -> dict[str, float]:
     for side in ("sampler_busy_s", "trainer_busy_s"):  # rollout_apart only
         out[side] = sum(r.get(side, 0.0) for r in used) / len(used)
     # rollout_apart: the busier side's seconds, step by step (what a perfect overlap of each step would take)
-    out["busier_side_s"] = sum(max(r.get("sampler_busy_s", 0.0), r.get("trainer_busy_s", 0.0)) for r in used) / len(used)
+    busier = [max(r.get("sampler_busy_s", 0.0), r.get("trainer_busy_s", 0.0)) for r in used]
+    out["busier_side_s"] = sum(busier) / len(used)
     return out
 
 

@@ -51,7 +51,8 @@ def test_compare_writes_one_png_of_several_runs(tmp_path):
     assert image.shape[0] > 500 and image[..., :3].std() > 0.05
     with pytest.raises(ValueError, match="1 labels for 2 runs"):
         compare(runs, ["one"], tmp_path / "x.png")
-    for extra, says in (([], "--out: give the PNG"), (["--labels", "one", "--out", "x.png"], "--labels: 1 labels for 2")):
+    usage_errors = (([], "--out: give the PNG"), (["--labels", "one", "--out", "x.png"], "--labels: 1 labels for 2"))
+    for extra, says in usage_errors:
         bad = subprocess.run([sys.executable, "-m", "yatt.plot", *map(str, runs), *extra], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and says in bad.stderr, bad.stderr

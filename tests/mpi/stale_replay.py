@@ -7,7 +7,7 @@ writes what it got (its groups, their rewards, the phase's (sum, count) metrics)
 ``rollout.max_staleness=0``, synchronous): the rollout phase returns those instead of drawing
 prompts and sampling; the trainers train on them, push the new weights, the samplers load them and
 evaluate as in any run. ``python tests/mpi/stale_replay.py --config FILE [key=value ...]``; exits
-with the job's code. tests/ is on the path for ``reward_fns``.
+with the job's code.
 """
 import os
 import sys
