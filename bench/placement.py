@@ -33,6 +33,11 @@ the synchronous run: what a step costs when either side's work hides the other's
 (1.0: each step's overlap is perfect; above the bound when the sides' work varies from step to
 step, as each step waits for that step's slower side). ``apart_async2`` (``rollout.max_staleness=2``)
 prints the same line, named ``..._k2``.
+
+``--judge-share X`` runs the rollout_apart modes with ``placement.trainer_judge_share=X`` (the
+trainers judge that share of each batch). Without it, and with a judge in the recipe, the
+``apart_sync`` run suggests the share that gives both sides the same busy time,
+``balanced_judge_share=(rollout + genrm - trainer busy) / (2 genrm)``.
 """
 from __future__ import annotations
 
@@ -52,7 +57,9 @@ def run_mode(mode: str, args, extra: list[str]) -> tuple[list[dict], float]:
     if mode == RELEASE:
         mode, extra = "colocate", ["placement.keep_engines=never", *extra]
     elif mode in APART:
-        mode, extra = "rollout_apart", ["placement.rollout_ranks=1", f"rollout.max_staleness={APART[mode]}", *extra]
+        share = [f"placement.trainer_judge_share={args.judge_share}"] if args.judge_share else []
+        mode, extra = "rollout_apart", ["placement.rollout_ranks=1", f"rollout.max_staleness={APART[mode]}", *share,
+                                        *extra]
     records, wall = run_job(args.np, ["--config", args.config, f"placement.mode={mode}",
                                       f"trainer.total_steps={args.steps}", f"output_dir={out}", "overwrite=true",
                                       *extra], out, mode)
@@ -85,6 +92,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join((*MODES, RELEASE, *APART)),
                     help=f"comma-separated subset of {', '.join((*MODES, RELEASE, *APART))}")
     ap.add_argument("--out", default="runs/bench_placement")
+    ap.add_argument("--judge-share", type=float, default=0.0,
+                    help="rollout_apart modes: placement.trainer_judge_share (0: the samplers judge everything)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every mode")
     args = ap.parse_args()
     extra = ["data.eval_size=8", *args.overrides]  # evaluation is outside the step; keep it short
@@ -104,6 +113,10 @@ def main() -> None:
     for mode, m in results.items():
         print(f"{mode:<18}" + "".join(f"{m[c]:>15.1f}" for c in cols))
     print_ratios(results)
+    if (sync := results.get("apart_sync")) and not args.judge_share and sync["time_genrm_s"] > 0:
+        busy = sync["time_rollout_s"] + sync["time_genrm_s"] - sync["trainer_busy_s"]
+        print(f"balanced_judge_share={min(max(busy / (2 * sync['time_genrm_s']), 0.0), 0.9):.2f} "
+              "(placement.trainer_judge_share that would give both sides the same busy time)")
 
 
 def print_ratios(results: dict[str, dict[str, float]]) -> None:

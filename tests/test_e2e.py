@@ -107,12 +107,15 @@ ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward
                               "placement.keep_engines=always"],  # colocate decides (auto, the default)
          "disaggregated": ["algo.policy_loss=dual_clip", "algo.loss_agg=seq_mean_token_sum_norm",
                            "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true",  # PPO's critic
-                           "algo.reward_norm=batch", "algo.reward_clip=5"]}  # whitened over the trainer subgroup
+                           "algo.reward_norm=batch", "algo.reward_clip=5"],  # whitened over the trainer subgroup
+         # rank 1 samples one step ahead and judges half of each batch, rank 0 judges the other half and trains
+         "rollout_apart": ["rollout.max_staleness=1", "placement.trainer_judge_share=0.5",
+                           "algo.recompute_old_logprobs=true", "algo.rollout_correction=tis"]}
 CRITIC = ["value_loss", "value_clip_frac", "values_mean", "returns_mean", "explained_variance", "critic_grad_norm",
           "critic_lr", "entropy_bonus"]
 
 
-@pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
+@pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated", "rollout_apart"])
 def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy, tiny_judge, mode):
     """These runs check the placements (where sampling, judging and training run, the streaming, the
     engine switches and the weight push), which need no real policy or judge: tiny random ones. The
@@ -130,11 +133,17 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
     critic = mode == "disaggregated"  # on the trainer subgroup of rank 0
     assert sorted(p.name for p in (final / "model").iterdir()) == ["critic_tp0_pp0.pt"] * critic + ["tp0_pp0.pt"]
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
-    keys = REQUIRED + ["reward_genrm_mean", "genrm_unparsable", "time_genrm_s", "reward_rule_mean",
-                       "time_rollout_genrm_s", "idle_s", "idle_max_s"]
-    if mode != "colocate":
+    keys = REQUIRED + ["reward_genrm_mean", "genrm_unparsable", "time_genrm_s", "reward_rule_mean", "idle_s",
+                       "idle_max_s"]
+    apart = mode == "rollout_apart"
+    if apart:  # step 2 trains the batch rank 1 sampled during step 1 (with the first policy)
+        keys += ["staleness_max", "sampler_busy_s", "trainer_busy_s", "is_weight_mean"]
+        keys.remove("time_rollout_s")
+    else:
+        keys += ["time_rollout_genrm_s"]
+    if mode in ("partial_colocate", "disaggregated"):  # streamed from samplers to GenRM ranks
         keys += ["genrm_queue_tokens_max", "genrm_queue_groups_max", "genrm_queue_tokens_mean"]
-    if mode != "disaggregated":
+    if mode in ("colocate", "partial_colocate"):
         keys += ["time_engines_s", "engines_resident"]  # CPU: engines torn down and rebuilt, or kept
     if critic:
         keys += CRITIC + ["time_critic_s"]
@@ -144,9 +153,10 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
         assert not bad, bad
         assert record["reward_mean"] == record["reward_genrm_mean"] and 0.0 <= record["reward_genrm_mean"] <= 1.0
         assert record["genrm_unparsable"] == 0  # P(yes) mode: every judgement is read from logprobs
-        assert record["logprob_diff_rollout_vs_train"] < 1e-3  # the rollout engine got the new weights
+        if not (apart and record["step"] == 2):
+            assert record["logprob_diff_rollout_vs_train"] < 1e-3  # the rollout engine got the new weights
         assert len(record["idle_rank_s"]) == 2 and all(x >= 0 for x in record["idle_rank_s"])
-        if mode != "colocate":
+        if mode in ("partial_colocate", "disaggregated"):
             assert record["genrm_queue_groups_max"] >= 1
         if mode == "disaggregated":  # the GenRM rank waits while rank 0 trains
             assert record["idle_rank_s"][1] > record["time_train_s"] * 0.5
@@ -160,8 +170,11 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
         assert [r["engines_resident"] for r in train] == [0.0, float(resident)]
     if mode == "colocate":  # the adaptive KL coefficient: step 1's KL is 0 (policy = reference), under target
         assert [r["kl_coef_current"] for r in train] == [pytest.approx(0.05), pytest.approx(0.05 * 0.8)]
-    if mode == "colocate":  # rank 0 judges too
+    if mode in ("colocate", "rollout_apart"):  # rank 0 judges too (rollout_apart: the half its sampler left it)
         assert "genrm: 100%" in proc.stderr, proc.stderr[-3000:]
+    if apart:
+        assert [r["staleness_max"] for r in train] == [0, 1]
+        assert "time_rollout_s" in train[0] and train[1]["time_genrm_s"] > 0  # step 2: rank 0 judged its half
 
 
 @pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])

@@ -62,6 +62,12 @@ def test_route_without_mpi_is_identity_on_one_rank():
     (["placement.mode=disaggregated", "trainer.tp=3"], "trainer.tp"),
     (["placement.mode=disaggregated", "trainer.pp=2"], "trainer.pp"),
     (["placement.mode=split"], "placement.mode"),
+    (["placement.trainer_judge_share=0.5"], "placement.trainer_judge_share"),  # colocate: nothing to share
+    (["placement.mode=rollout_apart", "placement.trainer_judge_share=0.5", "reward.type=rule"],
+     "placement.trainer_judge_share"),  # no judge
+    (["placement.mode=rollout_apart", "placement.trainer_judge_share=0.5", "algo.dynamic_sampling=true"],
+     "placement.trainer_judge_share"),  # refills need every score on the samplers
+    (["placement.mode=rollout_apart", "placement.trainer_judge_share=1"], "placement.trainer_judge_share"),
 ])
 def test_bad_placement_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -232,6 +232,10 @@ class PlacementConfig(_Section):
                     "only train (rollout.max_staleness: how far ahead the samplers run)")
     rollout_ranks: int = Field(1, gt=0,
         description="placement.mode=rollout_apart: how many ranks only sample (and judge); the rest train")
+    trainer_judge_share: float = Field(0.0, ge=0, lt=1,
+        description="placement.mode=rollout_apart with a judge reward: the fraction of each batch's groups that the "
+                    "trainers judge (on a judge engine of their own, before their logprobs) instead of the samplers; "
+                    "balances the two sides when sampling and judging outweigh training (docs/async.md)")
     genrm_ranks: int | Literal["auto"] = Field(1,
         description="GenRM ranks of a split placement; auto: ternary search of the split (partial_colocate)")
     auto_repeats: int = Field(1, gt=0, description="steps measured per candidate split under auto")
@@ -616,6 +620,12 @@ class Config(_Section):
         if self.rollout.max_staleness and p.mode != "rollout_apart":
             raise ValueError(f"rollout.max_staleness: samplers run ahead of the trainers only with "
                              f"placement.mode=rollout_apart (got {p.mode})")
+        if p.trainer_judge_share and (p.mode != "rollout_apart" or self.reward.judge is None):
+            raise ValueError("placement.trainer_judge_share: trainers judge a share of the batch only with "
+                             "placement.mode=rollout_apart and a judge reward (genrm or reward_model)")
+        if p.trainer_judge_share and self.algo.dynamic_sampling:
+            raise ValueError("placement.trainer_judge_share: dynamic sampling refills on the samplers from every "
+                             "group's reward, so the samplers judge all of it (use 0 with algo.dynamic_sampling)")
         if p.mode == "rollout_apart" and self.trainer.guard.action == "rollback":
             raise ValueError("trainer.guard.action: rollback reloads a checkpoint on the trainers while the samplers "
                              "hold rollouts of later steps; use skip with placement.mode=rollout_apart")

@@ -202,7 +202,7 @@ def _rollout_and_score(job: Job, step: int, timer: PhaseTimer, sums: dict) -> tu
     if (ahead := job.placement.ahead) is not None:
         groups, rewards, more = ahead.take(step, job.shard.next_batch, lambda b, prompts: _produce(job, b, prompts, timer))
         merge(sums, more)
-        return groups, rewards
+        return groups, _score_left(job, step, groups, rewards, timer, sums)
     groups, rewards = _sample_round(job, step, 0, timer, sums)
     if job.sampler is not None:
         groups, rewards, more = job.sampler.fill(groups, rewards, lambda r: _sample_round(job, step, r, timer, sums))
@@ -243,12 +243,27 @@ def _produce(job: Job, step: int, prompts: list, timer: PhaseTimer) -> tuple[lis
 
 
 def _sample_here(job: Job, step: int, round_: int, prompts: list, timer: PhaseTimer, sums: dict):
-    """``prompts`` rolled out, judged and scored on this (sampler) rank: (groups, rewards)."""
-    groups = job.placement.sample_here(prompts, _spec(job, step, round_), timer)
+    """``prompts`` rolled out, judged and scored on this (sampler) rank: (groups, rewards); the
+    groups left to the trainers' judges (``placement.trainer_judge_share``) have None for rewards."""
+    groups, here = job.placement.sample_here(prompts, _spec(job, step, round_), timer)
     more: dict = {}
-    rewards = _score(job, groups, timer, more)
+    rewards = (_score(job, groups[:here], timer, more) if here else []) + [None] * (len(groups) - here)
     merge(sums, more)
     return groups, rewards
+
+
+def _score_left(job: Job, step: int, groups: list, rewards: list, timer: PhaseTimer, sums: dict) -> list:
+    """``rollout_apart`` trainers: judge and score the groups the samplers left unjudged
+    (reward None, ``placement.trainer_judge_share``); returns every group's rewards."""
+    left = [i for i, r in enumerate(rewards) if r is None]
+    if left:
+        part = [groups[i] for i in left]
+        job.placement.judge_here(part, _spec(job, step, 0).seed, timer)
+        more: dict = {}
+        for i, r in zip(left, _score(job, part, timer, more)):
+            rewards[i] = r
+        merge(sums, more)
+    return rewards
 
 
 def _spec(job: Job, step: int, round_: int):

@@ -13,6 +13,8 @@ reduced rollout + GenRM time for the split search. Which engines live when:
 - ``disaggregated``: samplers keep the rollout engine and GenRM ranks the judge for the run.
 - ``rollout_apart``: samplers keep the rollout engine and the judge for the run, and take the
   trainers' weights after every step (:mod:`yatt.placement.ahead`, :mod:`yatt.placement.push`).
+  With ``placement.trainer_judge_share`` the trainers keep a judge too and judge that share of
+  each batch's groups (the samplers leave them unjudged) before their logprobs.
 
 On CPU (``placement.keep_engines``) colocated engines stay resident instead of being released
 when memory allows: ``auto`` decides after the first step, which releases and measures
@@ -119,6 +121,8 @@ class Placement:
                 self.sampler_group = dist.new_group(list(self.roles.samplers))
         self.ahead = (RolloutsAhead(self.roles, rank, cfg.rollout.max_staleness, cfg.trainer.total_steps)
                       if self.roles.apart else None)
+        # rollout_apart: the share of each batch's groups the trainers judge (the samplers judge the rest)
+        self.judge_share = p.trainer_judge_share if self.roles.apart and scorer.uses_judge else 0.0
         self.idle_s = 0.0  # this step's waits for the other group outside the step's phases (pop_idle)
         self._comms: tuple | None = None  # (roles, local comm, intercomm) of the current split
 
@@ -146,6 +150,8 @@ class Placement:
                 from yatt.rollout.vllm_engine import join_engine_groups
 
                 join_engine_groups(self.policy_path)  # the samplers' first build: process groups over the world
+                if self.judge_share:
+                    self.judge.build_now()  # while the samplers build theirs
             return
         if self.gpu:  # every engine this rank may need, once; slept until its phase
             self.rollout.build_now()
@@ -247,29 +253,39 @@ class Placement:
         if self.scorer.uses_judge:  # the rollout engine gives its memory to the judge
             with timer("engines"):
                 self._release(self.rollout)
-                judge = self.judge.wake()
-            judge.seed = spec.seed
-            with timer("genrm"):
-                self.scorer.judge_groups(judge, groups)
+                self.judge.wake()
+            self.judge_here(groups, spec.seed, timer)
             with timer("engines"):
                 self._release(self.judge)
         timer.times["time_rollout_genrm_s"] = timer.times["time_rollout_s"] + timer.times.get("time_genrm_s", 0.0)
         return groups
 
-    def sample_here(self, prompts: list, spec, timer: PhaseTimer) -> list[SampleGroup]:
+    def sample_here(self, prompts: list, spec, timer: PhaseTimer) -> tuple[list[SampleGroup], int]:
         """``rollout_apart`` samplers: roll out ``prompts`` (``(gid, origin, row)``) on this rank's
-        engine and judge them here (with a GenRM reward); groups in the order given, each owned by
-        the trainer that trains on it."""
+        engine and, with a judge reward, judge them here, all but the last ``trainer_judge_share``
+        of them (their ``genrm`` stays None: their trainers judge them, :meth:`judge_here`).
+
+        Returns:
+            (groups in the order given, each owned by the trainer that trains on it; how many of the
+            first ones are ready to score here: all of them without a judge).
+        """
         with timer("rollout"):
             completions = self.rollout.engine.generate([r.prompt_ids for _, _, r in prompts], spec)
         groups = [self._group(gid, origin, self.roles.owner_of(gid, origin), row, comps)
                   for (gid, origin, row), comps in zip(prompts, completions)]
-        if self.scorer.uses_judge:
-            judge = self.judge.obj
-            judge.seed = spec.seed
-            with timer("genrm"):
-                self.scorer.judge_groups(judge, groups)
-        return groups
+        here = len(groups) - round(self.judge_share * len(groups))
+        if self.scorer.uses_judge and here:
+            self.judge_here(groups[:here], spec.seed, timer)
+        return groups, here
+
+    def judge_here(self, groups: list[SampleGroup], seed: int, timer: PhaseTimer) -> None:
+        """Judge ``groups`` on this rank's (awake) judge, seeded with ``seed``, timed as phase
+        genrm; ``rollout_apart`` trainers call it on the groups the samplers left unjudged
+        (``trainer_judge_share``)."""
+        judge = self.judge.obj
+        judge.seed = seed
+        with timer("genrm"):
+            self.scorer.judge_groups(judge, groups)
 
     def _group(self, gid: int, origin: int, owner: int, row, completions) -> SampleGroup:
         return SampleGroup(gid, origin, owner, row, completions, [self.decode(c.token_ids) for c in completions])
@@ -292,11 +308,8 @@ class Placement:
             idle += sender.close()
         else:
             receiver = StreamReceiver(inter, tokens_of=lambda g: g.tokens)
-            judge = self.judge.obj
-            judge.seed = spec.seed
             for batch in receiver:
-                with timer("genrm"):
-                    self.scorer.judge_groups(judge, batch)
+                self.judge_here(batch, spec.seed, timer)
                 receiver.scored(batch)
                 scored.extend(batch)
             q = receiver.stats
