@@ -74,8 +74,9 @@ class Trainer:
         """Train (collective: every rank of the job calls it, once per process).
 
         Args:
-            dataset: a reasoning-gym task name, or jsonl/parquet file(s) with ``question``/``answer``
-                fields (``data.question_key``/``data.answer_key`` rename them).
+            dataset: a reasoning-gym task name, or jsonl/parquet file(s) with ``question`` (or a
+                chat ``messages`` list) and ``answer`` fields (``data.question_key``,
+                ``data.messages_key`` and ``data.answer_key`` rename them).
             batch_size: prompts per step over all ranks (split evenly: ``trainer.prompts_per_rank``).
             ppo_epochs: passes over each step's rollout batch.
         Returns:

@@ -50,12 +50,21 @@ class DataConfig(_Section):
     train_files: list[str] = Field(default_factory=list, description="jsonl/parquet train files, source=file")
     eval_files: list[str] = Field(default_factory=list, description="jsonl/parquet eval files, source=file")
     question_key: str = Field("question", description="field of a file row holding the prompt")
+    messages_key: str | None = Field("messages",
+        description="field of a file row holding the prompt as a conversation (a list of {role, content} "
+                    "messages, OpenAI chat format), used instead of question_key when the row has it; "
+                    "None: rows are read by question_key only")
     answer_key: str = Field("answer", description="field of a file row holding the reference answer")
-    system_prompt: str = Field("", description="system message before each prompt (empty: the chat template's default)")
+    system_prompt: str = Field("",
+        description="system message before each prompt, unless its conversation has one (empty: the chat "
+                    "template's default)")
     max_prompt_len: int = Field(256, gt=0,
         description="most prompt tokens after the chat template (longer rows are skipped)")
-    chosen_key: str = Field("chosen", description="stage: dpo and rm: the row field of the preferred response")
-    rejected_key: str = Field("rejected", description="stage: dpo and rm: the row field of the dispreferred response")
+    chosen_key: str = Field("chosen",
+        description="stage: dpo and rm: the row field of the preferred response (a string, or messages ending "
+                    "with an assistant turn)")
+    rejected_key: str = Field("rejected",
+        description="stage: dpo and rm: the row field of the dispreferred response (as chosen_key's)")
 
 
 class RolloutConfig(_Section):
@@ -452,8 +461,8 @@ class TaskEvalSetConfig(_EvalSet):
 
 
 class FilesEvalSetConfig(_EvalSet):
-    """Rows of jsonl/parquet files (data.question_key / data.answer_key), prompted as the data
-    section says, scored by reward.accuracy's source (a rule source scores with data.task)."""
+    """Rows of jsonl/parquet files (data.question_key or data.messages_key / data.answer_key), prompted
+    as the data section says, scored by reward.accuracy's source (a rule source scores with data.task)."""
 
     type: Literal["files"] = Field(description="rows read from files")
     files: list[str] = Field(min_length=1, description="jsonl/parquet files")
@@ -487,7 +496,9 @@ class SftConfig(_Section):
     """Supervised fine-tuning (``stage: sft``): the target response of each data row."""
 
     response_key: str | None = Field(None,
-        description="the row field holding the target response (file data); None: response_template")
+        description="the row field holding the target response (file data); None: response_template. "
+                    "A conversation (data.messages_key) that ends with an assistant turn has that turn as "
+                    "its target instead")
     response_template: str = Field("<answer>{answer}</answer>",
         description="the target response built from the row's answer (data.answer_key); {answer} stands for it")
 

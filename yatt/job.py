@@ -188,9 +188,11 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
     all ranks)."""
     from yatt.assets.data import LoadStats, PromptStream
 
-    train = PromptStream(cfg.data, tokenizer, info.rank, info.world_size)
+    targets = cfg.stage == "sft"  # a conversation's final assistant turn is the target
+    train = PromptStream(cfg.data, tokenizer, info.rank, info.world_size, targets=targets)
     if info.rank in eval_ranks:
-        evals, estats = load_prompts(cfg.data, tokenizer, "eval", eval_ranks.index(info.rank), len(eval_ranks))
+        evals, estats = load_prompts(cfg.data, tokenizer, "eval", eval_ranks.index(info.rank), len(eval_ranks),
+                                     targets=targets)
     else:
         evals, estats = [], LoadStats()
     counts = {f"eval_{k}": (float(v), 1.0) for k, v in

@@ -98,14 +98,15 @@ def accuracy_score_fn(cfg: Config, task: str, task_config: dict):
     return lambda rows, texts: src.score([RewardItem(x.question, t, x.entry) for x, t in zip(rows, texts)]).scores
 
 
-def set_rows(s: EvalSet, tokenizer, limit: int | None, rank: int, world: int) -> list:
+def set_rows(s: EvalSet, tokenizer, limit: int | None, rank: int, world: int, targets: bool = False) -> list:
     """This rank's rows of ``s``: the shard a run's evals use (``load_prompts`` of rank of world),
-    or with ``limit`` the first ``limit`` rows of the set dealt round-robin."""
+    or with ``limit`` the first ``limit`` rows of the set dealt round-robin. ``targets``: a
+    conversation may end with an assistant turn (``stage: sft``; the prompt is the turns before it)."""
     from yatt.assets.data import load_prompts
 
     if limit is None:
-        return load_prompts(s.data, tokenizer, "eval", rank, world)[0]
-    return load_prompts(s.data, tokenizer, "eval")[0][:limit][rank::world]
+        return load_prompts(s.data, tokenizer, "eval", rank, world, targets=targets)[0]
+    return load_prompts(s.data, tokenizer, "eval", targets=targets)[0][:limit][rank::world]
 
 
 def shard_sets(cfg: Config, sets: list[EvalSet], tokenizer, rank: int | None, world: int,
@@ -113,5 +114,5 @@ def shard_sets(cfg: Config, sets: list[EvalSet], tokenizer, rank: int | None, wo
     """``(set, this rank's rows, score_fn)`` of each of ``sets``: the rows as :func:`set_rows`
     gives them to ``rank`` of ``world`` evaluating ranks (None: a rank that does not evaluate,
     no rows), scored by :func:`accuracy_score_fn`."""
-    return [(s, set_rows(s, tokenizer, limit, rank, world) if rank is not None else [],
+    return [(s, set_rows(s, tokenizer, limit, rank, world, cfg.stage == "sft") if rank is not None else [],
              accuracy_score_fn(cfg, s.task, s.task_config)) for s in sets]

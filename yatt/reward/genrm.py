@@ -139,11 +139,13 @@ def load_template(template: str) -> str:
 
 @dataclass
 class JudgeItem:
-    """One response to judge. ``reference`` is None for open prompts."""
+    """One response to judge. ``reference`` is None for open prompts. ``messages``: the prompt
+    conversation the response answers (a reward model lays it out; a GenRM judge reads ``question``)."""
 
     question: str
     response: str
     reference: str | None = None
+    messages: list[dict] | None = None
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Any Hugging Face sequence-classification folder with one label (``LlamaForSequenceClassification``,
 ``Qwen2ForSequenceClassification``, ...; the Bradley-Terry reward models of Ouyang et al. 2022,
 "Training language models to follow instructions with human feedback", Sec. 3.5). The prompt
-and the response are laid out as a chat (user: question, assistant: response) with the model's
-chat template, or as ``question\\n\\nresponse`` when it has none, and the score is the model's one
-logit at the last token: an unbounded real number, not a probability.
+and the response are laid out as a chat (the prompt's conversation, or user: question; then
+assistant: response) with the model's chat template, or as the turns' texts joined by blank lines
+(``question\\n\\nresponse``) when it has none, and the score is the model's one logit at the last
+token: an unbounded real number, not a probability.
 
 It is served by its own vLLM engine with vLLM's pooling runner (fp32, unpadded batches of at most
 ``batch_size`` sequences, at most ``max_length`` tokens each, the prompt cut from the left if
@@ -21,16 +22,17 @@ from collections.abc import Sequence
 from yatt.reward.genrm import JudgeItem, JudgeResult
 
 
-def chat_ids(tokenizer, question: str, response: str, max_length: int) -> list[int]:
-    """The token ids a reward model scores (its last token's logit): the chat (user: ``question``,
-    assistant: ``response``) through the tokenizer's template, or ``question\\n\\nresponse``
-    without one; the last ``max_length`` ids. ``stage: rm`` trains on the same layout."""
+def chat_ids(tokenizer, prompt: str | list[dict], response: str, max_length: int) -> list[int]:
+    """The token ids a reward model scores (its last token's logit): the chat (``prompt``: a
+    question, as one user turn, or a conversation of ``{role, content}`` messages; then assistant:
+    ``response``) through the tokenizer's template, or the turns' texts and the response joined by
+    blank lines without one; the last ``max_length`` ids. ``stage: rm`` trains on the same layout."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    turns.append({"role": "assistant", "content": response})
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question},
-                                             {"role": "assistant", "content": response}],
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False)
     else:
-        ids = tokenizer(f"{question}\n\n{response}")["input_ids"]
+        ids = tokenizer("\n\n".join(t["content"] for t in turns))["input_ids"]
     return list(ids)[-max_length:]
 
 
@@ -61,7 +63,7 @@ class RewardModelScorer:
         self.seed = 0  # the placement sets it per step, as for a GenRM judge; scoring draws nothing
 
     def _ids(self, item: JudgeItem) -> list[int]:
-        return chat_ids(self.tokenizer, item.question, item.response, self.max_length)
+        return chat_ids(self.tokenizer, item.messages or item.question, item.response, self.max_length)
 
     def score(self, items: Sequence[JudgeItem]) -> list[JudgeResult]:
         """One :class:`~yatt.reward.genrm.JudgeResult` per item; ``score`` is the reward logit."""

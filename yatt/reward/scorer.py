@@ -103,7 +103,8 @@ class StepScorer:
         """
         from yatt.reward.genrm import JudgeItem
 
-        items = [JudgeItem(g.row.question, t, g.row.answer) for g in groups for t in g.texts]
+        items = [JudgeItem(g.row.question, t, g.row.answer, getattr(g.row, "messages", None))
+                 for g in groups for t in g.texts]
         results = iter(judge.score(items))
         for g in groups:
             mine = [next(results) for _ in g.texts]

@@ -3,7 +3,8 @@
 A step draws ``trainer.prompts_per_rank`` rows per rank, each a prompt with a chosen and a rejected
 response (``data.chosen_key``, ``data.rejected_key``; :mod:`yatt.stages.pairs` makes them from a
 policy's own samples), and makes two samples per row, chosen then rejected, each response followed
-by EOS. Micro-batches hold whole pairs (no DP balancing: a pair's loss needs both of its
+by EOS. The prompt is the row's templated question or conversation (``data.messages_key``); a
+response is a string or, in the chat format, a list of messages whose final assistant turn it is. Micro-batches hold whole pairs (no DP balancing: a pair's loss needs both of its
 sequences), packed as RL's (``trainer.packing``; with ``shared_prompt`` a pair's prompt runs
 once). The frozen reference (the model at ``model.path``) gives each sequence's logprob without
 grad; one optimizer step takes the configured preference loss (:data:`yatt.algos.preference.PREFERENCE_LOSSES`)
@@ -22,11 +23,20 @@ from yatt.config import DpoConfig
 from yatt.controller.batch import Sample, pack_micro_batches
 
 
+def response_text(value) -> str | None:
+    """A preference response's text: a string, or the content of the final message of a list of
+    messages (``[..., {"role": "assistant", "content": str}]``, as preference datasets in the chat
+    format hold it); None for anything else (an empty text included)."""
+    if isinstance(value, list) and value and isinstance(value[-1], dict) and value[-1].get("role") == "assistant":
+        value = value[-1].get("content")
+    return value if isinstance(value, str) and value.strip() else None
+
+
 def pair_texts(row, data) -> list[str] | None:
-    """``[chosen, rejected]`` of a row (fields ``data.chosen_key``, ``data.rejected_key``), or None
-    when either is missing, not a string or empty."""
-    texts = [row.entry.get(data.chosen_key), row.entry.get(data.rejected_key)]
-    return texts if all(isinstance(t, str) and t.strip() for t in texts) else None
+    """``[chosen, rejected]`` of a row (fields ``data.chosen_key``, ``data.rejected_key``, each a
+    :func:`response_text`), or None when either is missing or not a usable response."""
+    texts = [response_text(row.entry.get(data.chosen_key)), response_text(row.entry.get(data.rejected_key))]
+    return texts if None not in texts else None
 
 
 def pair_samples(rows, data, tokenizer, max_len: int) -> tuple[list[Sample], int]:

@@ -11,7 +11,8 @@ response gives pairs: its i-th right response as ``chosen`` against its i-th wro
 ``rejected``, for i below ``--pairs-per-prompt`` and both counts (so no response is in two
 pairs). Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` with rows ``{"prompt", "chosen",
 "rejected", "answer"}`` (the prompt's question text, the two responses, the reference
-answer) and prints how many prompts gave a pair. Sampling is seeded (``seed``), so the files
+answer; a chat row's also its prompt conversation under ``data.messages_key``) and prints how
+many prompts gave a pair. Sampling is seeded (``seed``), so the files
 repeat for the same recipe.
 """
 from __future__ import annotations
@@ -23,15 +24,19 @@ import sys
 from pathlib import Path
 
 
-def make_pairs(rows, groups: list[list[str]], scores: list[list[float]], per_prompt: int = 1) -> list[dict]:
+def make_pairs(rows, groups: list[list[str]], scores: list[list[float]], per_prompt: int = 1,
+               messages_key: str | None = None) -> list[dict]:
     """Pairs ``{"prompt", "chosen", "rejected", "answer"}`` from each row whose responses
     ``groups[i]`` (scored ``scores[i]``) hold right (1.0) and wrong (< 1.0) ones: the j-th right
-    against the j-th wrong response, for j < min(``per_prompt``, rights, wrongs), in sample order."""
+    against the j-th wrong response, for j < min(``per_prompt``, rights, wrongs), in sample order.
+    A chat row (one with a ``messages_key`` field) adds its prompt conversation (``row.messages``)
+    under ``messages_key``, so the pairs are prompted as its samples were."""
     pairs = []
     for row, texts, score in zip(rows, groups, scores):
         right = [t for t, s in zip(texts, score) if s == 1.0]
         wrong = [t for t, s in zip(texts, score) if s < 1.0]
-        pairs += [{"prompt": row.question, "chosen": c, "rejected": r, "answer": row.answer}
+        chat = {messages_key: row.messages} if messages_key and row.entry.get(messages_key) is not None else {}
+        pairs += [{"prompt": row.question, **chat, "chosen": c, "rejected": r, "answer": row.answer}
                   for c, r in zip(right[:per_prompt], wrong)]
     return pairs
 
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for split, seed in (("train", cfg.seed), ("eval", cfg.seed + 1)):
-        rows, stats = load_prompts(cfg.data, tokenizer, split)
+        rows, stats = load_prompts(cfg.data, tokenizer, split, targets=cfg.stage == "sft")
         spec = SamplingSpec(n=args.n, max_tokens=args.max_tokens or cfg.rollout.max_tokens,
                             temperature=cfg.rollout.temperature, seed=seed)
         groups = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g]
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         flat_rows = [r for r, g in zip(rows, groups) for _ in g]
         flat = scorer.accuracy_scores(flat_rows, [t for g in groups for t in g])
         scores = [flat[i * args.n:(i + 1) * args.n] for i in range(len(rows))]
-        pairs = make_pairs(rows, groups, scores, args.pairs_per_prompt)
+        pairs = make_pairs(rows, groups, scores, args.pairs_per_prompt, cfg.data.messages_key)
         with open(out / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(p) + "\n" for p in pairs)
         right = sum(s == 1.0 for s in flat) / max(len(flat), 1)

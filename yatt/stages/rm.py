@@ -5,9 +5,10 @@ policy's architecture from ``model.path`` with a scalar head drawn from N(0,
 ``critic.head_init_std``^2), by default the model's ``initializer_range`` as transformers starts a
 classification head; through a zero head, PPO's critic's start, the body would get no gradient
 until the head grew). A row's chosen and rejected responses (``data.chosen_key``,
-``data.rejected_key``) are laid out exactly as the ``reward_model`` source scores them
-(:func:`yatt.reward.reward_model.chat_ids`: the chat through the model's template), and a
-response's reward is the head's value at the last token of that layout.
+``data.rejected_key``: strings, or messages whose final assistant turn is the response) are laid
+out exactly as the ``reward_model`` source scores them (:func:`yatt.reward.reward_model.chat_ids`:
+the row's prompt conversation, ``data.system_prompt`` included, and the response through the
+model's template), and a response's reward is the head's value at the last token of that layout.
 The critic values a position from the hidden state of the token before it, so each sample is the
 layout followed by one more token (EOS) whose value is read; causal attention keeps that token out
 of every earlier state. One optimizer step per step takes the Bradley-Terry loss
@@ -35,7 +36,8 @@ def rm_samples(rows, data, tokenizer, max_len: int) -> tuple[list[Sample], int]:
     samples, skipped = [], 0
     for row in rows:
         texts = pair_texts(row, data)
-        ids = None if texts is None else [chat_ids(tokenizer, row.question, t, max_len) for t in texts]
+        prompt = getattr(row, "messages", None) or row.question  # the conversation the policy is prompted with
+        ids = None if texts is None else [chat_ids(tokenizer, prompt, t, max_len) for t in texts]
         if ids is None or max(map(len, ids)) >= max_len:
             skipped += 1
             continue

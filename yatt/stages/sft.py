@@ -5,9 +5,11 @@ A step draws ``trainer.prompts_per_rank`` rows per rank from the same controller
 chat-templated prompt, and the target response's tokens followed by the tokenizer's EOS), packs
 and balances them like RL samples and takes one optimizer step on the negative log-likelihood of
 the response tokens (:func:`yatt.algos.preference.sft_loss`), its mean over every response token
-of the step on every DP rank. The target is the row's ``sft.response_key`` field, or
-``sft.response_template`` with the row's answer; a row without one, or too long for
-``rollout.max_model_len`` (the evals' engine), is skipped and counted (``sft_rows_skipped``).
+of the step on every DP rank. The target is a conversation's final assistant turn (a chat row,
+``data.messages_key``, that ends with one: the prompt is the turns before it; only that last turn
+is learnt), else the row's ``sft.response_key`` field, or ``sft.response_template`` with the row's
+answer; a row without one (an empty one), or too long for ``rollout.max_model_len`` (the evals'
+engine), is skipped and counted (``sft_rows_skipped``).
 """
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ from yatt.controller.batch import Sample
 
 
 def target_text(row, cfg: SftConfig) -> str | None:
-    """The target response of a :class:`~yatt.assets.data.PromptRow`, or None when it has none
-    (a missing, non-string or empty ``response_key`` field)."""
+    """The target response of a :class:`~yatt.assets.data.PromptRow`: its conversation's final
+    assistant turn (``row.target``), else by ``cfg``; None when it has none (an empty target, or a
+    missing, non-string or empty ``response_key`` field)."""
+    if (target := getattr(row, "target", None)) is not None:
+        return target if target.strip() else None
     if cfg.response_key is None:
         return cfg.response_template.replace("{answer}", row.answer)
     text = row.entry.get(cfg.response_key)
