@@ -79,6 +79,17 @@ class RolloutConfig(_Section):
         description="placement.mode=rollout_apart: the samplers generate the batches of steps s+1..s+K while the "
                     "trainers train step s, so a sample is at most K updates old (its policy version is recorded); "
                     "0: synchronous, the samplers wait for each step's weights")
+    env: str | None = Field(None,
+        description="multi-turn rollouts: the environment each episode runs in, 'tools' (the tool-calling "
+                    "environment, yatt/env) or 'package.module:Class'; every active episode advances one turn per "
+                    "engine call, and only the model's tokens are trained (docs/agentic.md). None: one response")
+    env_args: dict[str, Any] = Field(default_factory=dict,
+        description="keyword arguments of the environment's constructor (tools: {tools: [...], ...})")
+    max_turns: int = Field(4, gt=0, description="rollout.env: model turns per episode at most")
+    episode_max_tokens: int = Field(1024, gt=0,
+        description="rollout.env: tokens after the prompt per episode at most, the model's and the environment's")
+    env_error_score: float = Field(0.0,
+        description="rollout.env: the reward of an episode whose environment raised (counted as turns_end_env_error)")
 
 
 class GenRMConfig(_Section):

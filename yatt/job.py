@@ -28,6 +28,7 @@ from yatt.controller.shard import PromptShard
 from yatt.dist import RankInfo
 from yatt.placement.runner import Placement
 from yatt.reward.scorer import StepScorer
+from yatt.rollout.episodes import make_generate
 
 log = logging.getLogger("yatt")
 
@@ -102,7 +103,8 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                           dtype=cfg.model.dtype, progress="rollout" if bars else None)
 
     placement = Placement(cfg, info.rank, info.world_size, build_engine, scorer,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), policy_path=model_path)
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), policy_path=model_path,
+                          generate=make_generate(cfg.rollout, tokenizer, _env_factory(cfg)))
     log.info("%s", placement.roles.describe())
     train_rows, eval_rows, eval_total = _load_data(cfg, tokenizer, info, placement.eval_ranks)
     eval_rank = placement.eval_ranks.index(info.rank) if info.rank in placement.eval_ranks else None
@@ -143,6 +145,19 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
     return Job(cfg, info, phase, tokenizer, scorer, placement, train_rows, eval_rows, eval_total, shard, actor, ref,
                critic, balancer, guard, critic_guard, estimator, sampler, kl_ctrl, mp_group, dp_group, ckpt,
                eval_sets=eval_sets)
+
+
+def _env_factory(cfg: Config):
+    """``rollout.env``'s factory of one environment per episode (None without one).
+
+    Raises:
+        ValueError: naming ``rollout.env``: a bad import path or ``rollout.env_args``.
+    """
+    if cfg.rollout.env is None:
+        return None
+    from yatt.env import load_env
+
+    return load_env(cfg.rollout.env, **cfg.rollout.env_args)
 
 
 def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple:

@@ -134,6 +134,19 @@ def _check_estimator(cfg) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _check_env(cfg) -> None:
+    """``rollout.env`` must load with ``rollout.env_args`` (:func:`yatt.env.load_env` imports it and
+    makes one environment), before any model loads."""
+    if cfg.rollout.env is None:
+        return
+    from yatt.env import load_env
+
+    try:
+        load_env(cfg.rollout.env, **cfg.rollout.env_args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_placement(cfg, info) -> None:
     """Split placements need MPI (they stream over MPI communicators) and room for the split."""
     from yatt.placement.runner import roles_for
@@ -216,6 +229,7 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
         _check_model_parallel(cfg, info.world_size)
         _check_placement(cfg, info)
         _check_estimator(cfg)
+        _check_env(cfg)
     except (ConfigError, LauncherError, RunLocked) as e:
         _report(e)
         return 2, []

@@ -36,6 +36,7 @@ from yatt.controller.metrics import MetricsWriter, PhaseTimer, global_means
 from yatt.controller.step_report import merge, report_step, sample_sums
 from yatt.dist import RankInfo
 from yatt.job import Job, build_job
+from yatt.rollout.episodes import episode_rewards, episode_sums
 from yatt.stages.dpo import dpo_eval, dpo_update, pair_micro_batches, pair_samples
 from yatt.stages.rm import rm_eval, rm_samples, rm_update
 from yatt.stages.sft import sft_samples, sft_update
@@ -278,11 +279,15 @@ def _spec(job: Job, step: int, round_: int):
 
 def _score(job: Job, groups: list, timer: PhaseTimer, sums: dict) -> list[list[float]]:
     """The rewards of ``groups`` (one list of ``n`` per group); their metrics added to ``sums``."""
-    n = job.cfg.rollout.n
+    rollout = job.cfg.rollout
     with timer("reward"):
         flat, accuracy, reward_sums = job.scorer.score(groups)
+    if rollout.env is not None:  # episodes: the environment's rewards too, and their turn and tool metrics
+        completions = [c for g in groups for c in g.completions]
+        flat = episode_rewards(completions, flat, rollout.env_error_score)
+        reward_sums.update(episode_sums(completions))
     sums.update(sample_sums(groups, flat, accuracy), **reward_sums)
-    return [flat[i * n:(i + 1) * n] for i in range(len(groups))]
+    return [flat[i * rollout.n:(i + 1) * rollout.n] for i in range(len(groups))]
 
 
 def _evaluate(job: Job, step: int) -> list[dict]:
@@ -294,7 +299,8 @@ def _evaluate(job: Job, step: int) -> list[dict]:
     if job.cfg.stage != "rm":  # the policy's greedy answers (stage rm does not train the policy)
         with job.placement.eval_engine(job.actor) as engine:
             e = job.cfg.eval
-            sample = dict(k=e.k, temperature=e.temperature, seed=job.cfg.seed * 1_000_003 + step)
+            sample = dict(k=e.k, temperature=e.temperature, seed=job.cfg.seed * 1_000_003 + step,
+                          generate=job.placement.generate)  # with rollout.env: episodes
             record.update(evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer, e.max_tokens,
                                    **sample))
             for s, rows, score in job.eval_sets:  # eval.sets: eval_<name>_accuracy, ...

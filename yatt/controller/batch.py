@@ -30,6 +30,13 @@ class Sample:
     finish_reason: str = field(metadata=wire.choice("stop", "length"))
     reward: float = field(default=0.0, metadata=wire.SCALAR)
     advantage: float = field(default=0.0, metadata=wire.SCALAR)
+    # per response token: 1.0 trained (the model's), 0.0 not (an environment's, in a multi-turn
+    # episode: yatt.rollout.episodes); empty at construction means every token is the model's
+    loss_mask: list[float] = field(default_factory=list, metadata=wire.PER_TOKEN)
+
+    def __post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [1.0] * len(self.response_ids)
 
     @property
     def length(self) -> int:
@@ -47,8 +54,9 @@ def pack_micro_batches(samples: list[Sample], groups, pad_id: int, packing: str 
             ``"shared_prompt"`` (it runs packed rows, :func:`yatt.trainer.packing.pack_rows`).
     Returns:
         list of dicts with ``input_ids`` long ``[B, T]`` (pad: ``pad_id``), ``response_mask``
-        float ``[B, T]``, ``rollout_logprobs`` float ``[B, T]`` (aligned with the token they
-        score, 0 outside responses), ``advantages`` float ``[B, 1]``, ``index`` long ``[B]``
+        float ``[B, T]`` (the trained tokens: each sample's ``loss_mask``), ``rollout_logprobs``
+        float ``[B, T]`` (aligned with the token they score, 0 outside responses), ``advantages``
+        float ``[B, 1]``, ``index`` long ``[B]``
         (positions in ``samples``) and ``body_tokens`` long ``[2]`` (the sample tokens and the
         tensor size the model body runs: padding is their difference); when packed, also
         :func:`~yatt.trainer.packing.pack_rows`' ``packed_*`` tensors.
@@ -68,7 +76,8 @@ def pack_micro_batches(samples: list[Sample], groups, pad_id: int, packing: str 
             lps[b, p : p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         mb = {
             "input_ids": ids,
-            "response_mask": response_mask([len(s.prompt_ids) for s in rows], [len(s.response_ids) for s in rows], width),
+            "response_mask": response_mask([len(s.prompt_ids) for s in rows], [len(s.response_ids) for s in rows], width,
+                                           [s.loss_mask for s in rows]),
             "rollout_logprobs": lps,
             "advantages": torch.tensor([[s.advantage] for s in rows], dtype=torch.float32),
             "index": torch.tensor(idx, dtype=torch.long),
@@ -87,7 +96,9 @@ def make_samples(rows, completions, rewards: list[float], advantages: list[float
 
     Args:
         rows: the step's :class:`~yatt.assets.data.PromptRow` list (``G`` prompts).
-        completions: ``G`` lists of ``n`` engine completions (token ids, logprobs, finish reason).
+        completions: ``G`` lists of ``n`` engine completions (token ids, logprobs, finish reason;
+            a multi-turn episode's ``mask`` becomes the sample's ``loss_mask``, and its
+            ``prompt_ids`` the sample's prompt).
         rewards, advantages: ``G * n`` floats each, prompt-major (``rewards[g * n + k]`` scores
             completion k of g): the scores and their outcome advantages
             (:func:`yatt.algos.estimators.outcome_advantages`).
@@ -96,7 +107,8 @@ def make_samples(rows, completions, rewards: list[float], advantages: list[float
     Raises:
         ValueError: the number of rewards or advantages is not ``G * n``.
     """
-    samples = [Sample(row.prompt_ids, list(c.token_ids), list(c.logprobs), c.finish_reason)
+    samples = [Sample(list(getattr(c, "prompt_ids", None) or row.prompt_ids), list(c.token_ids), list(c.logprobs),
+                      c.finish_reason, loss_mask=[float(m) for m in getattr(c, "mask", None) or []])
                for row, group in zip(rows, completions) for c in group]
     if not len(rewards) == len(advantages) == len(samples):
         raise ValueError(f"{len(rewards)} rewards and {len(advantages)} advantages for {len(samples)} samples")
@@ -165,18 +177,21 @@ def skipped_counts(samples: list[Sample], keep: list[bool] | None, bounds: list[
     mini-batch still counts for them (:func:`yatt.algos.update.mini_batch_norm`). All 0 for ``keep=None``."""
     out = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        lens = [len(samples[i].response_ids) for i in range(a, b) if keep is not None and not keep[i]]
+        lens = [int(sum(samples[i].loss_mask)) for i in range(a, b) if keep is not None and not keep[i]]
         out.append((float(sum(lens)), float(sum(n > 0 for n in lens))))
     return out
 
 
-def response_mask(prompt_lens: list[int], response_lens: list[int], total_len: int) -> torch.Tensor:
+def response_mask(prompt_lens: list[int], response_lens: list[int], total_len: int,
+                  token_masks: list[list[float]] | None = None) -> torch.Tensor:
     """Loss mask over right-padded ``prompt + response`` rows.
 
     Position ``t`` of row ``b`` is set iff it holds a response token:
-    ``prompt_lens[b] <= t < prompt_lens[b] + response_lens[b]``. Built from lengths, never
-    from token ids, so an EOS at the end of a response is trained on, padding is excluded even
-    when pad id == EOS id, and a response cut at ``max_tokens`` (no EOS) is masked exactly.
+    ``prompt_lens[b] <= t < prompt_lens[b] + response_lens[b]``, and with ``token_masks`` (one
+    value per response token of each row) iff that token's value is 1 (a multi-turn episode's
+    environment tokens are 0). Built from lengths, never from token ids, so an EOS at the end of a
+    response is trained on, padding is excluded even when pad id == EOS id, and a response cut at
+    ``max_tokens`` (no EOS) is masked exactly.
 
     Returns:
         float32 ``[B, total_len]``.
@@ -184,4 +199,8 @@ def response_mask(prompt_lens: list[int], response_lens: list[int], total_len: i
     pos = torch.arange(total_len).unsqueeze(0)
     start = torch.tensor(prompt_lens).unsqueeze(1)
     end = start + torch.tensor(response_lens).unsqueeze(1)
-    return ((pos >= start) & (pos < end)).to(torch.float32)
+    mask = ((pos >= start) & (pos < end)).to(torch.float32)
+    if token_masks is not None and not all(all(m) for m in token_masks):
+        for b, (p, m) in enumerate(zip(prompt_lens, token_masks)):
+            mask[b, p:p + len(m)] = torch.tensor(m, dtype=torch.float32)
+    return mask

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from yatt.algos.pass_at_k import mean_at_k, pass_at_k, reported_ks
 from yatt.controller.metrics import global_means
+from yatt.rollout.episodes import answer_ids
 
 
 def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, temperature: float = 1.0,
-             seed: int | None = None, prefix: str = "eval_") -> dict[str, float]:
+             seed: int | None = None, prefix: str = "eval_", generate=None) -> dict[str, float]:
     """Greedy-decode this rank's eval prompts (and sample ``k`` answers each when ``k > 1``) and
     score them (collective: the reduction).
 
@@ -22,6 +23,9 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
         k: sampled answers per prompt besides the greedy one (1: the greedy answer only).
         temperature, seed: sampling of the ``k`` answers (``seed``: see ``SamplingSpec``).
         prefix: prepended to every returned name.
+        generate: ``(engine, rows, spec) -> out[i][k]`` (:func:`yatt.rollout.episodes.make_generate`:
+            with ``rollout.env`` an answer is an episode, scored on its last model turn); default:
+            one response per prompt.
     Returns:
         ``{prefix}accuracy`` (fraction of greedy answers with score exactly 1),
         ``{prefix}reward_mean`` and ``{prefix}response_len_mean`` (tokens) of the greedy answers
@@ -32,8 +36,9 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
     from yatt.rollout.vllm_engine import SamplingSpec
 
     def answers(spec):
-        outs = engine.generate([r.prompt_ids for r in rows], spec) if rows else []
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in outs for c in group]
+        outs = (generate(engine, rows, spec) if generate else engine.generate([r.prompt_ids for r in rows], spec)
+                ) if rows else []
+        texts = [tokenizer.decode(answer_ids(c), skip_special_tokens=True) for group in outs for c in group]
         scores = score_fn([r for r in rows for _ in range(spec.n)], texts) if rows else []
         return outs, scores
 

@@ -44,6 +44,7 @@ from yatt.placement.residency import RESERVE_FRACTION, engines_fit, gather_repor
 from yatt.placement.search import SplitSearch
 from yatt.placement.slots import EngineSlot
 from yatt.placement.stream import StreamReceiver, StreamSender
+from yatt.rollout.episodes import answer_ids, make_generate
 
 log = logging.getLogger("yatt")
 
@@ -53,7 +54,8 @@ class SampleGroup:
     """The ``n`` responses to one prompt, on their way from sampler to GenRM rank to trainer.
 
     gid: global prompt index of the step (``origin * prompts_per_rank + i``). origin: the rank
-    that drew the prompt; owner: the rank that trains on it. texts: decoded responses.
+    that drew the prompt; owner: the rank that trains on it. texts: decoded responses (of an
+    episode, its last model turn).
     genrm: per-response judge scores in [0, 1] once judged (None before, or without GenRM);
     unparsable / timed_out: judgements of this group counted as such.
     """
@@ -87,17 +89,21 @@ class Placement:
             teardown and rebuild (CPU).
         policy_path: the policy's local folder (``rollout_apart`` trainers join the process groups
             its engine creates on the samplers, :func:`~yatt.rollout.vllm_engine.join_engine_groups`).
+        generate: ``(engine, rows, spec) -> out[i][k]`` Completions
+            (:func:`yatt.rollout.episodes.make_generate`; default: one response per sample).
     Raises:
         ValueError: a split mode without a GenRM reward, or a bad ``genrm_ranks``.
     """
 
     def __init__(self, cfg, rank: int, world: int, build_rollout, scorer, decode, gpu: bool | None = None,
-                 policy_path=None) -> None:
+                 policy_path=None, generate=None) -> None:
         p = cfg.placement
         if p.mode in ("partial_colocate", "disaggregated") and not scorer.uses_judge:
             raise ValueError(f"placement.mode={p.mode} needs a judge (a genrm or reward_model reward source)")
         self.cfg, self.rank, self.world = cfg, rank, world
         self.scorer, self.decode = scorer, decode
+        # (engine, rows, spec) -> completions per row: one response, or multi-turn episodes (rollout.env)
+        self.generate = generate or make_generate(None, None)
         self.policy_path = policy_path  # the rollout engine's model (rollout_apart trainers join its groups)
         self.search = SplitSearch(1, world - 1, repeats=p.auto_repeats) if p.genrm_ranks == "auto" else None
         self.roles = plan_roles(p.mode, world, self.search.next() if self.search else p.genrm_ranks, p.rollout_ranks)
@@ -248,7 +254,7 @@ class Placement:
 
     def _colocated(self, rows, gids, spec, timer) -> list[SampleGroup]:
         with timer("rollout"):
-            completions = self.rollout.wake().generate([r.prompt_ids for r in rows], spec)
+            completions = self.generate(self.rollout.wake(), rows, spec)
         groups = [self._group(gid, self.rank, self.rank, row, comps) for gid, row, comps in zip(gids, rows, completions)]
         if self.scorer.uses_judge:  # the rollout engine gives its memory to the judge
             with timer("engines"):
@@ -270,7 +276,7 @@ class Placement:
             first ones are ready to score here: all of them without a judge).
         """
         with timer("rollout"):
-            completions = self.rollout.engine.generate([r.prompt_ids for _, _, r in prompts], spec)
+            completions = self.generate(self.rollout.engine, [r for _, _, r in prompts], spec)
         groups = [self._group(gid, origin, self.roles.owner_of(gid, origin), row, comps)
                   for (gid, origin, row), comps in zip(prompts, completions)]
         here = len(groups) - round(self.judge_share * len(groups))
@@ -288,7 +294,7 @@ class Placement:
             self.scorer.judge_groups(judge, groups)
 
     def _group(self, gid: int, origin: int, owner: int, row, completions) -> SampleGroup:
-        return SampleGroup(gid, origin, owner, row, completions, [self.decode(c.token_ids) for c in completions])
+        return SampleGroup(gid, origin, owner, row, completions, [self.decode(answer_ids(c)) for c in completions])
 
     def _streamed(self, rows, gids, spec, timer) -> tuple[list[SampleGroup], dict]:
         roles = self.roles
@@ -301,7 +307,11 @@ class Placement:
         if self.rank in roles.samplers:
             sender = StreamSender(inter)
             with timer("rollout"):
-                for i, comps in self.rollout.engine.generate_stream([r.prompt_ids for _, _, r in mine], spec):
+                rows_here = [r for _, _, r in mine]
+                stream = (self.rollout.engine.generate_stream([r.prompt_ids for r in rows_here], spec)
+                          if self.cfg.rollout.env is None else  # episodes: every group at the end
+                          enumerate(self.generate(self.rollout.engine, rows_here, spec)))
+                for i, comps in stream:
                     gid, origin, row = mine[i]
                     group = self._group(gid, origin, roles.owner_of(gid, origin), row, comps)
                     sender.send(group, group.tokens)

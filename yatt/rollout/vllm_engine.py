@@ -72,12 +72,20 @@ class Completion:
     top_logprobs: only from ``generate_within(..., top_logprobs=K)``: per response position a
         ``{token_id: logprob}`` dict of the K most likely tokens (plus the sampled one), same
         logprobs mode as ``logprobs``; None otherwise.
+    mask, final_ids, episode, prompt_ids: only for a multi-turn episode
+        (:mod:`yatt.rollout.episodes`): per token 1 (the model's) or 0 (the environment's; its
+        logprob is 0.0), the last model turn's tokens, the episode's info (turns, end reason,
+        counters) and its prompt (the environment's first messages); None otherwise.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     top_logprobs: list[dict[int, float]] | None = None
+    mask: list[int] | None = None
+    final_ids: list[int] | None = None
+    episode: dict | None = None
+    prompt_ids: list[int] | None = None
 
 
 def _reload_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -359,11 +367,14 @@ class VLLMEngine:
             client._finalizer = weakref.finalize(client, _shutdown_keep_world, client.engine_core)
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec,
+                 max_tokens: list[int] | None = None) -> list[list[Completion]]:
         """Sample ``spec.n`` responses for each prompt (may be called with ``[]``).
 
         Args:
             prompts: this rank's prompts as token ids (chat template already applied).
+            max_tokens: per prompt, its response cap (>= 1) instead of ``spec.max_tokens``
+                (multi-turn episodes: each has its own room left).
         Returns:
             ``out[i][k]``: k-th Completion of prompt i; ``len(out) == len(prompts)``,
             ``len(out[i]) == spec.n``.
@@ -373,7 +384,7 @@ class VLLMEngine:
             RuntimeError: vLLM finished a request for another reason (e.g. abort).
         """
         self._check(prompts, self.max_model_len - 1)
-        params = self._sampling_params(spec, len(prompts))
+        params = self._sampling_params(spec, len(prompts), caps=max_tokens)
         result = []
         for out in self._run(prompts, params):
             _check_finished(out)
@@ -568,8 +579,10 @@ class VLLMEngine:
         return tqdm(total=total, desc=self.progress, unit="sample", leave=False, position=1, dynamic_ncols=True,
                     disable=self.progress is None, **kw)
 
-    def _sampling_params(self, spec: SamplingSpec, count: int, logprobs: int = 0, **extra) -> list:
-        """One SamplingParams per prompt, seeded by the rule in :class:`SamplingSpec`.
+    def _sampling_params(self, spec: SamplingSpec, count: int, logprobs: int = 0, caps: list[int] | None = None,
+                         **extra) -> list:
+        """One SamplingParams per prompt, seeded by the rule in :class:`SamplingSpec` (``caps``: per
+        prompt, its ``max_tokens``).
 
         Greedy specs get ``n=1`` (vLLM rejects greedy ``n > 1``); :func:`_completions` copies it.
         The call's base seed is drawn even for ``count == 0``, keeping the private stream in step.
@@ -578,7 +591,8 @@ class VLLMEngine:
 
         greedy = _is_greedy(spec)
         base = spec.seed if spec.seed is not None else int(self._rng.integers(1 << 62))
-        return [SamplingParams(n=1 if greedy else spec.n, max_tokens=spec.max_tokens, temperature=spec.temperature,
+        return [SamplingParams(n=1 if greedy else spec.n, max_tokens=spec.max_tokens if caps is None else caps[i],
+                               temperature=spec.temperature,
                                top_p=spec.top_p, logprobs=logprobs, detokenize=False,
                                seed=None if greedy else (base + self.dp_rank * _SEED_STRIDE + i * spec.n) % (1 << 62),
                                **extra)

@@ -1,0 +1,68 @@
+"""Multi-turn episodes in whole jobs (``rollout.env``) under ``mpirun -np 2``, on a tiny random
+policy whose end-of-turn token is likely (its output row scaled up), so that turns end on their own
+and episodes run several turns: the trainer's logprobs over the whole multi-turn sequences equal
+the engine's on the model's tokens, the turn metrics are reported, and a run stopped by SIGTERM
+resumes to the same metrics."""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import launch_job, trainer_tp, wait_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
+_TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
+ARGS = ("rollout.env=tests.envs:Continue", "rollout.max_turns=3", "rollout.max_tokens=12", "rollout.max_model_len=512",
+        "trainer.total_steps=3", "algo.entropy_coef=0.01")
+
+
+@pytest.fixture(scope="module")
+def chatty_policy(tmp_path_factory) -> Path:
+    """conftest's tiny random policy, untied, with the end-of-turn token's output row scaled by 20:
+    its logit is large whenever it is positive, so a turn ends after a few tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+
+    path = tmp_path_factory.mktemp("chatty_policy")
+    trainer_tp.save_tiny_vllm(path, tied=False, max_position_embeddings=1024)
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    state = load_file(path / "model.safetensors")
+    state["lm_head.weight"][eos] *= 20.0
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _records(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
+
+
+def test_multi_turn_episodes_train_on_the_model_tokens_and_resume_exactly(tmp_path, chatty_policy):
+    model = f"model.path={chatty_policy}"
+    ref = tmp_path / "ref"
+    assert wait_job(launch_job(ref, model, *ARGS)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    records = _records(ref)
+    train = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert r["turns_mean"] > 1.5 and r["turns_max"] == 3  # several turns, the limit reached
+        assert r["turns_end_max_turns"] > 0 and r["turns_env_tokens_mean"] > 0
+        assert r["tool_calls_go"] > 0 and r["reward_mean"] > 0  # the environment's turn rewards
+    # on-policy step 1: the trainer's logprobs of the model's tokens over whole 3-turn sequences
+    # (environment tokens in the context, masked out) equal the engine's, turn by turn
+    assert train[0]["logprob_diff_rollout_vs_train"] < 1e-3
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 3]
+
+    # SIGTERM once step 1 is recorded: saved, exit 75; run again, it resumes to the same records
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = launch_job(run, model, *ARGS)
+    assert wait_job(proc, until=lambda: log.exists() and "step    1 |" in log.read_text()) is None
+    proc.send_signal(signal.SIGTERM)
+    assert wait_job(proc) == 75, log.read_text()[-4000:]
+    assert wait_job(launch_job(run, model, *ARGS)) == 0, log.read_text()[-4000:]
+    assert _records(run) == records
