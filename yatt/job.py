@@ -216,9 +216,10 @@ def _load_data(cfg: Config, tokenizer, info: RankInfo, eval_ranks: tuple[int, ..
     if info.rank == 0:
         log.info("data: train streamed per rank (%s); %s", cfg.data.source, totals)
         if not totals["eval_kept"]:
-            log.warning("eval: no eval rows (data.eval_size=%d, data.eval_files=%s, %d skipped): the evals are "
-                        "skipped, no eval record is written", cfg.data.eval_size, cfg.data.eval_files,
-                        totals["eval_rows"])
+            log.warning("eval: no eval rows (data.eval_size=%d, data.eval_files=%s, %d skipped): %s",
+                        cfg.data.eval_size, cfg.data.eval_files, totals["eval_rows"],
+                        "only eval.sets are evaluated" if cfg.eval.sets else
+                        "the evals are skipped, no eval record is written")
     return train, evals, totals["eval_kept"]
 
 

@@ -292,7 +292,7 @@ def _score(job: Job, groups: list, timer: PhaseTimer, sums: dict) -> list[list[f
 
 def _evaluate(job: Job, step: int) -> list[dict]:
     """The eval record of ``step`` (none when there are no eval rows: an accuracy of nothing is not 0)."""
-    if not job.eval_total:
+    if not job.eval_total and not job.eval_sets:
         return []
     job.phase("eval", step)
     record = {"step": step}
@@ -301,12 +301,13 @@ def _evaluate(job: Job, step: int) -> list[dict]:
             e = job.cfg.eval
             sample = dict(k=e.k, temperature=e.temperature, seed=job.cfg.seed * 1_000_003 + step,
                           generate=job.placement.generate)  # with rollout.env: episodes
-            record.update(evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer, e.max_tokens,
-                                   **sample))
+            if job.eval_total:  # eval.sets run also without the data's own eval rows
+                record.update(evaluate(engine, job.eval_rows, job.scorer.accuracy_scores, job.tokenizer,
+                                       e.max_tokens, **sample))
             for s, rows, score in job.eval_sets:  # eval.sets: eval_<name>_accuracy, ...
                 record.update(evaluate(engine, rows, score, job.tokenizer, e.max_tokens, prefix=f"eval_{s.name}_",
                                        **sample))
-    if job.cfg.stage in ("dpo", "rm"):  # the held-out pairs' preference accuracy
+    if job.cfg.stage in ("dpo", "rm") and job.eval_total:  # the held-out pairs' preference accuracy
         batches = _pair_batches(job, job.eval_rows)[0]
         record.update(global_means(dpo_eval(job.actor, job.ref, batches, job.cfg.dpo) if job.cfg.stage == "dpo"
                                    else rm_eval(job.critic, batches)))
@@ -317,6 +318,10 @@ def _evaluate(job: Job, step: int) -> list[dict]:
         parts.append(f"mean@{k} {record[f'eval_mean_at_{k}']:.3f} pass@{k} {record[f'eval_pass_at_{k}']:.3f}")
     if "eval_pair_accuracy" in record:
         parts.append(f"pair accuracy {record['eval_pair_accuracy']:.3f} margin {record['eval_reward_margin']:.3f}")
+    parts += [f"{s.name} {record[f'eval_{s.name}_accuracy']:.3f}" for s, _, _ in job.eval_sets
+              if f"eval_{s.name}_accuracy" in record]
+    parts += [f"{name.removeprefix('eval_').replace('_', ' ')} {v:.2f}" for name, v in record.items()
+              if name.endswith("tool_use")]  # episodes: the share of greedy answers that called a tool
     log.info("eval step %d: %s", step, " ".join(parts))
     return [record]
 

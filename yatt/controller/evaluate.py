@@ -29,7 +29,9 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
     Returns:
         ``{prefix}accuracy`` (fraction of greedy answers with score exactly 1),
         ``{prefix}reward_mean`` and ``{prefix}response_len_mean`` (tokens) of the greedy answers
-        over all ranks' eval prompts; with ``k > 1`` also ``{prefix}mean_at_{k}`` (fraction of the
+        over all ranks' eval prompts; for episodes (``rollout.env``) also ``{prefix}turns_mean``
+        (model turns per greedy episode) and ``{prefix}tool_use`` (the fraction of greedy episodes
+        that called a tool); with ``k > 1`` also ``{prefix}mean_at_{k}`` (fraction of the
         sampled answers that are correct) and ``{prefix}pass_at_{j}`` for ``j`` in
         :func:`~yatt.algos.pass_at_k.reported_ks` (``k`` samples per prompt, unbiased estimator).
     """
@@ -47,6 +49,7 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
     sums = {
         "accuracy": (sum(float(r == 1.0) for r in scores), n), "reward_mean": (sum(scores), n),
         "response_len_mean": (sum(len(c.token_ids) for (c,) in outs), n),
+        **_episode_means([c for (c,) in outs], n),
     }
     if k > 1:
         _, sampled = answers(SamplingSpec(n=k, max_tokens=max_tokens, temperature=temperature, seed=seed))
@@ -54,3 +57,12 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
         sums[f"mean_at_{k}"] = (sum(mean_at_k(c) for c in correct), n)
         sums.update({f"pass_at_{j}": (sum(pass_at_k(k, sum(c), j) for c in correct), n) for j in reported_ks(k)})
     return global_means({prefix + name: v for name, v in sums.items()})
+
+
+def _episode_means(completions, n: int) -> dict[str, tuple[float, float]]:
+    """``turns_mean`` and ``tool_use`` (sum, count) of greedy episodes; none for single responses."""
+    infos = [c.episode for c in completions if getattr(c, "episode", None) is not None]
+    if not infos:  # ranks may report different names (global_means takes their union)
+        return {}
+    return {"turns_mean": (float(sum(i["turns"] for i in infos)), n),
+            "tool_use": (float(sum(i.get("tool_calls", 0.0) > 0 for i in infos)), n)}

@@ -107,14 +107,14 @@ def _warn_if_memory_low(phase: str, rss: int, vm) -> bool:
 
 def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple[str, ...] = (),
                  op_sum: tuple[str, ...] = (), max_prefixes: tuple[str, ...] = (),
-                 sum_suffixes: tuple[str, ...] = ()) -> dict[str, float]:
+                 sum_suffixes: tuple[str, ...] = (), sum_prefixes: tuple[str, ...] = ()) -> dict[str, float]:
     """Reduce ``{name: (sum, count)}`` over ``group`` and return ``{name: sum/count}``.
 
     Names in ``op_max`` or starting with one of ``max_prefixes`` give the max over ranks of
-    their sum, names in ``op_sum`` or ending with one of ``sum_suffixes`` the global sum (counts
-    ignored for both). A name with global count 0 gives 0.0, never NaN. Ranks may pass different
-    names (a GenRM-only rank has no training metrics): a name missing on a rank counts as
-    ``(0, 0)`` there.
+    their sum, names in ``op_sum``, ending with one of ``sum_suffixes`` or starting with one of
+    ``sum_prefixes`` the global sum (counts ignored for both). A name with global count 0 gives
+    0.0, never NaN. Ranks may pass different names (a GenRM-only rank has no training metrics): a
+    name missing on a rank counts as ``(0, 0)`` there.
     """
     names = sorted(sums)
     if dist.is_initialized():
@@ -133,7 +133,7 @@ def global_means(sums: dict[str, tuple[float, float]], group=None, op_max: tuple
     for i, k in enumerate(names):
         if k in op_max or k.startswith(max_prefixes):
             out[k] = float(mx[i])
-        elif k in op_sum or k.endswith(sum_suffixes):
+        elif k in op_sum or k.endswith(sum_suffixes) or k.startswith(sum_prefixes):
             out[k] = float(t[i, 0])
         else:
             out[k] = float(t[i, 0] / t[i, 1]) if t[i, 1] > 0 else 0.0

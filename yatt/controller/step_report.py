@@ -24,7 +24,8 @@ COUNTERS = ("tokens_total", "genrm_unparsable", "genrm_timed_out", "dynamic_samp
             "dynamic_sampling_groups_trimmed", "data_rows_skipped", "samples_skipped", "tokens_skipped",
             "sft_rows_skipped", "dpo_rows_skipped", "rm_rows_skipped")  # summed over ranks, not averaged
 MAXIMA = ("genrm_queue_tokens_max", "genrm_queue_groups_max", "checkpoint_failures", "is_ratio_max",
-          "is_weight_max", "staleness_max")  # max over ranks
+          "is_weight_max", "staleness_max", "turns_max")  # max over ranks
+COUNTER_PREFIXES = ("turns_end_", "tool_")  # episodes: end reasons and an environment's tool counters, summed
 
 
 def report_step(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -> dict:
@@ -37,7 +38,7 @@ def report_step(job: Job, step: int, timer: PhaseTimer, t0: float, sums: dict) -
         sums.update({f"{role}_busy_s": (timer.times["time_step_s"] - idle, 1.0), f"{role}_idle_s": (idle, 1.0)})
     sums.update({k: (v, 1.0) for k, v in {**timer.times, **timer.peaks}.items()})
     record = {"step": step, **global_means(sums, op_max=MAXIMA, op_sum=COUNTERS, sum_suffixes=COUNTER_SUFFIXES,
-                                           max_prefixes=("time_", "mem_peak_"))}
+                                           max_prefixes=("time_", "mem_peak_"), sum_prefixes=COUNTER_PREFIXES)}
     record["tokens_per_s"] = record.pop("tokens_total") / record["time_step_s"]
     record.update(_idle_record(idle))
     job.placement.end_step(record.get("time_rollout_genrm_s", 0.0), timer.avail_min)  # none in sft
