@@ -125,3 +125,35 @@ def test_context_length_ends_an_episode_before_the_engine_sees_an_overlong_conte
     limit = len(row.prompt_ids) + 16  # the first turn fits, the observation after it does not
     (ep,), = run_episodes(engine, CalcEnv, [row], SamplingSpec(n=1, max_tokens=16), tok, Limits(4, 512, limit))
     assert ep.episode["end"] == "context" and len(engine.calls) == 1
+
+
+def test_a_tool_transcript_trains_every_assistant_turn_in_the_rollout_layout(tokenizer):
+    """SFT on a tool-use transcript (yatt.env.transcripts): the prompt is the turns before the first
+    assistant turn; the response lays out the rest as an episode does (the same text as the chat
+    template of the whole conversation), with only the two assistant turns in the loss."""
+    from yatt.config import SftConfig
+    from yatt.env.tools import ToolEnv
+    from yatt.env.transcripts import transcript
+    from yatt.stages.sft import sft_samples
+
+    tok = tokenizer
+    row = {"question": "Calculate 241 * 468.", "answer": "112788", "metadata": {"expression": "241 * 468"}}
+    convo = transcript(row, ToolEnv())["messages"]
+    assert [m["role"] for m in convo] == ["system", "user", "assistant", "user", "assistant"]
+    assert "<tool_response>\n112788\n</tool_response>" in convo[3]["content"]
+    prompt_row = SimpleNamespace(prompt_ids=[], messages=convo[:-1], target=convo[-1]["content"], answer="112788",
+                                 entry={})
+    (s,), skipped = sft_samples([prompt_row], SftConfig(), tok, max_len=2048)
+    assert skipped == 0
+    full = tok.apply_chat_template(convo, tokenize=False)
+    assert tok.decode(s.prompt_ids + s.response_ids) == full[:full.rindex("<|im_end|>") + len("<|im_end|>")]
+    assert s.prompt_ids == tok.apply_chat_template(convo[:2], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+    trained = tok.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m])
+    assert trained == convo[2]["content"] + "<|im_end|>" + convo[4]["content"] + "<|im_end|>"
+    # the rollout appends the same tokens after the model's call as SFT trains around
+    engine = ScriptedEngine(tok, {"Calculate 241 * 468.": [convo[2]["content"], convo[4]["content"]]})
+    (ep,), = run_episodes(engine, ToolEnv, [SimpleNamespace(entry=row)], SamplingSpec(n=1, max_tokens=64), tok,
+                          Limits(4, 512, 2048))
+    assert (ep.prompt_ids, ep.token_ids, ep.mask) == (s.prompt_ids, s.response_ids, [int(m) for m in s.loss_mask])
+    assert ep.episode["end"] == "done" and ep.episode["tool_calls_calculator"] == 1

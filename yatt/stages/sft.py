@@ -6,10 +6,16 @@ chat-templated prompt, and the target response's tokens followed by the tokenize
 and balances them like RL samples and takes one optimizer step on the negative log-likelihood of
 the response tokens (:func:`yatt.algos.preference.sft_loss`), its mean over every response token
 of the step on every DP rank. The target is a conversation's final assistant turn (a chat row,
-``data.messages_key``, that ends with one: the prompt is the turns before it; only that last turn
-is learnt), else the row's ``sft.response_key`` field, or ``sft.response_template`` with the row's
-answer; a row without one (an empty one), or too long for ``rollout.max_model_len`` (the evals'
-engine), is skipped and counted (``sft_rows_skipped``).
+``data.messages_key``, that ends with one), else the row's ``sft.response_key`` field, or
+``sft.response_template`` with the row's answer; a row without one (an empty one), or too long for
+``rollout.max_model_len`` (the evals' engine), is skipped and counted (``sft_rows_skipped``).
+
+A conversation with earlier assistant turns (a tool-use transcript: the model calls a tool, reads
+its result, answers) is learnt turn by turn: the prompt is the turns before the first assistant
+turn, and the response every turn after it laid out as a multi-turn rollout lays it out
+(:mod:`yatt.rollout.episodes`: each assistant turn's tokens and the end-of-turn token, then the
+chat template's text of the turns up to the next one), with only the assistant turns in the loss
+(``Sample.loss_mask``). So the policy learns the format its ``rollout.env`` episodes sample in.
 """
 from __future__ import annotations
 
@@ -38,12 +44,47 @@ def sft_samples(rows, cfg: SftConfig, tokenizer, max_len: int) -> tuple[list[Sam
     samples, skipped = [], 0
     for row in rows:
         text = target_text(row, cfg)
-        ids = None if text is None else tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if ids is None or len(row.prompt_ids) + len(ids) > max_len:
+        sample = None if text is None else _turns_sample(row, text, tokenizer)
+        if sample is None and text is not None:
+            ids = _turn_ids(tokenizer, text)
+            sample = Sample(list(row.prompt_ids), ids, [0.0] * len(ids), "stop")
+        if sample is None or sample.length > max_len:
             skipped += 1
             continue
-        samples.append(Sample(list(row.prompt_ids), ids, [0.0] * len(ids), "stop"))
+        samples.append(sample)
     return samples, skipped
+
+
+def _turn_ids(tokenizer, text: str) -> list[int]:
+    """An assistant turn's tokens as the model writes them: its text's (no special tokens) and EOS."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def _turns_sample(row, target: str, tokenizer) -> Sample | None:
+    """The multi-turn Sample of a conversation row with assistant turns before its ``target`` (see the
+    module docstring), or None when it has none."""
+    from yatt.env.template import observation_text
+
+    messages = [*(getattr(row, "messages", None) or []), {"role": "assistant", "content": target}]
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if first == len(messages) - 1:
+        return None
+    history = messages[:first]
+    prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids, mask, i = [], [], first
+    while i < len(messages):
+        turn, j = messages[i], i + 1
+        while j < len(messages) and messages[j]["role"] != "assistant":
+            j += 1
+        own = _turn_ids(tokenizer, turn["content"])
+        ids, mask = ids + own, mask + [1.0] * len(own)
+        if j < len(messages):  # the turns up to the next assistant turn, as the chat template writes them
+            text = observation_text(tokenizer, history, turn["content"], messages[i + 1:j],
+                                    generated_stop=tokenizer.eos_token)
+            obs = tokenizer.encode(text, add_special_tokens=False)
+            ids, mask = ids + obs, mask + [0.0] * len(obs)
+        history, i = history + messages[i:j], j
+    return Sample(list(prompt), ids, [0.0] * len(ids), "stop", loss_mask=mask)
 
 
 def sft_update(actor, micro_batches: list[dict], dp_group=None) -> dict[str, tuple[float, float]]:
