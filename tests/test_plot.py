@@ -8,7 +8,7 @@ import matplotlib.image
 import pytest
 
 from conftest import ROOT
-from yatt.plot import compare, load_records, plot
+from yatt.plot import compare, load_records, panels, plot
 
 METRICS = ROOT / "tests" / "data" / "grpo_smollm2_metrics.jsonl"
 
@@ -49,6 +49,10 @@ def test_compare_writes_one_png_of_several_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     image = matplotlib.image.imread(tmp_path / "cmp.png")
     assert image.shape[0] > 500 and image[..., :3].std() > 0.05
+    # panels no run has a value for (staleness, episode turns, tool use) are left out
+    shown = [k for k, _ in panels([load_records(run) for run in runs])]
+    assert shown == ["reward_mean", "eval_accuracy", "rollout_kl", "is_weight_mean", "is_ratio_max"]
+    assert [k for k, _ in panels([[{"step": 1, "turns_mean": 2.0}]])] == ["reward_mean", "turns_mean"]
     with pytest.raises(ValueError, match="1 labels for 2 runs"):
         compare(runs, ["one"], tmp_path / "x.png")
     usage_errors = (([], "--out: give the PNG"), (["--labels", "one", "--out", "x.png"], "--labels: 1 labels for 2"))

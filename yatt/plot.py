@@ -69,13 +69,21 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 COMPARED = (("reward_mean", "training reward"), ("eval_accuracy", "held-out greedy accuracy"),
             ("rollout_kl", "rollout KL (k3, rollout || old)"), ("is_weight_mean", "IS weight, mean"),
-            ("is_ratio_max", "IS ratio pi_old / pi_rollout, max"), ("staleness_mean", "staleness (updates)"))
+            ("is_ratio_max", "IS ratio pi_old / pi_rollout, max"), ("staleness_mean", "staleness (updates)"),
+            ("turns_mean", "model turns per episode"), ("eval_tool_use", "held-out tool use (greedy)"))
+
+
+def panels(runs: list[list[dict]]) -> list[tuple[str, str]]:
+    """The :data:`COMPARED` ``(metric, title)`` panels that at least one run of ``runs`` (each a
+    list of records) has a value for, in that order; the training reward always."""
+    return [(k, t) for k, t in COMPARED if k == "reward_mean" or any(k in r for records in runs for r in records)]
 
 
 def compare(run_dirs: list[str | Path], labels: list[str], out: str | Path) -> Path:
     """Write one PNG comparing runs, one line per run in each panel of :data:`COMPARED` (training
-    reward, held-out accuracy, rollout KL, IS weight statistics, staleness) per step; a run
-    without a metric leaves no line in its panel.
+    reward, held-out accuracy, rollout KL, IS weight statistics, staleness, episode turns and tool
+    use) per step; a panel no run has a value for is left out (:func:`panels`), and a run without
+    a metric leaves no line in its panel.
 
     Raises:
         FileNotFoundError: a run without ``metrics.jsonl``. ValueError: not one label per run.
@@ -88,14 +96,19 @@ def compare(run_dirs: list[str | Path], labels: list[str], out: str | Path) -> P
 
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for i, (run_dir, label) in enumerate(zip(run_dirs, labels)):
-        records = load_records(run_dir)
-        for ax, (key, _) in zip(axes.ravel(), COMPARED):
+    runs = [load_records(run_dir) for run_dir in run_dirs]
+    shown = panels(runs)
+    cols = min(3, len(shown))
+    rows = -(-len(shown) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(13 * cols / 3, 3.5 * rows), squeeze=False)
+    for ax in axes.ravel()[len(shown):]:
+        ax.set_visible(False)
+    for i, (records, label) in enumerate(zip(runs, labels)):
+        for ax, (key, _) in zip(axes.ravel(), shown):
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:  # one color per run in every panel
                 ax.plot(*zip(*points), marker="s" if key.startswith("eval_") else ".", label=label, color=f"C{i % 10}")
-    for ax, (_, title) in zip(axes.ravel(), COMPARED):
+    for ax, (_, title) in zip(axes.ravel(), shown):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
