@@ -29,7 +29,6 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     records = load_records(run_dir)
     train = [r for r in records if "reward_mean" in r]
@@ -54,6 +53,15 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 "time_sync_s", "time_engines_s"):
         curve(axes[4], key, "phase time (s)", label=key[5:-2])
     curve(axes[5], "grad_norm", "grad norm (pre-clip)", color="tab:gray")
+    return _finish(fig, axes, Path(out) if out else Path(run_dir) / "curves.png")
+
+
+def _finish(fig, axes, out: Path) -> Path:
+    """Step x-axes (integer ticks), grids and legends where a panel has labelled lines; the figure
+    saved to ``out`` and closed. Returns ``out``."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes:
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -61,7 +69,6 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    out = Path(out) if out else Path(run_dir) / "curves.png"
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -92,7 +99,6 @@ def compare(run_dirs: list[str | Path], labels: list[str], out: str | Path) -> P
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
@@ -110,15 +116,7 @@ def compare(run_dirs: list[str | Path], labels: list[str], out: str | Path) -> P
                 ax.plot(*zip(*points), marker="s" if key.startswith("eval_") else ".", label=label, color=f"C{i % 10}")
     for ax, (_, title) in zip(axes.ravel(), shown):
         ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return Path(out)
+    return _finish(fig, axes.ravel()[:len(shown)], Path(out))
 
 
 def main() -> None:

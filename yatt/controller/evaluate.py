@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from yatt.algos.pass_at_k import mean_at_k, pass_at_k, reported_ks
 from yatt.controller.metrics import global_means
-from yatt.rollout.episodes import answer_ids
+from yatt.rollout.episodes import answer_ids, make_generate
 
 
 def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, temperature: float = 1.0,
@@ -37,9 +37,10 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
     """
     from yatt.rollout.vllm_engine import SamplingSpec
 
+    generate = generate or make_generate(None, None)  # one response per prompt
+
     def answers(spec):
-        outs = (generate(engine, rows, spec) if generate else engine.generate([r.prompt_ids for r in rows], spec)
-                ) if rows else []
+        outs = generate(engine, rows, spec) if rows else []
         texts = [tokenizer.decode(answer_ids(c), skip_special_tokens=True) for group in outs for c in group]
         scores = score_fn([r for r in rows for _ in range(spec.n)], texts) if rows else []
         return outs, scores
