@@ -337,6 +337,19 @@ class AlgoConfig(_Section):
         description="C of algo.rollout_correction: tis truncates at C, mis_* keep ratios in [1/C, C]")
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (Hu et al. 2021) on the frozen model (:mod:`yatt.trainer.lora`): only the
+    adapters train, checkpoints hold them alone, the engines get the merged weights."""
+
+    rank: int = Field(16, gt=0, description="adapter rank r")
+    alpha: float = Field(32.0, gt=0, description="scale numerator: the adapter's output is multiplied by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training (trainer.tp=1 only)")
+    targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], min_length=1,
+        description="Megatron layers to adapt: attention QKV (HF q/k/v_proj), attention output (o_proj), MLP input "
+                    "(gate/up_proj), MLP output (down_proj)")
+
+
 class CriticConfig(_Section):
     """PPO's value model (:class:`yatt.trainer.critic.MegatronCritic`): the policy's architecture
     with a scalar head, on the actor's TP x PP x DP layout, with its own AdamW and schedule; trained
@@ -361,6 +374,8 @@ class CriticConfig(_Section):
                     "branch (0: unclipped squared error)")
     freeze_actor_steps: int = Field(0, ge=0,
         description="critic-only warm-up: the first N steps train the critic alone (the policy is not updated)")
+    lora: LoraConfig | None = Field(None,
+        description="train the critic's body as LoRA adapters (its value head whole); null: all of it")
 
 
 class BalanceConfig(_Section):
@@ -413,6 +428,8 @@ class TrainerConfig(_Section):
         description="weight sync: MiB of HF tensors resharded and pushed at a time")
     balance: BalanceConfig = Field(default_factory=BalanceConfig, description="DP balancing")
     guard: GuardConfig = Field(default_factory=GuardConfig, description="stability guard")
+    lora: LoraConfig | None = Field(None,
+        description="train LoRA adapters on the frozen policy instead of all of it (null: full fine-tuning)")
 
 
 class CheckpointConfig(_Section):
@@ -708,6 +725,10 @@ class Config(_Section):
                              "informative groups a share of the batch)")
         if self.trainer.guard.min_history > self.trainer.guard.window:
             raise ValueError("trainer.guard.min_history: must not exceed trainer.guard.window")
+        if self.trainer.lora is not None and self.trainer.lora.dropout and self.trainer.tp > 1:
+            raise ValueError("trainer.lora.dropout: LoRA dropout runs with trainer.tp=1 only")
+        if self.critic.lora is not None and self.critic.lora.dropout and self.trainer.tp > 1:
+            raise ValueError("critic.lora.dropout: LoRA dropout runs with trainer.tp=1 only")
         if self.trainer.lr < self.trainer.min_lr:
             raise ValueError("trainer.min_lr: must not exceed trainer.lr")
         return self

@@ -36,7 +36,7 @@ def _type(ann) -> str:
         return " or ".join("null" if a is type(None) else _type(a) for a in typing.get_args(ann))
     if typing.get_origin(ann) is list:
         return f"list of ({_type(typing.get_args(ann)[0])})"
-    if typing.get_origin(ann) is dict:
+    if typing.get_origin(ann) is dict or (isinstance(ann, type) and issubclass(ann, BaseModel)):
         return "mapping"
     return getattr(ann, "__name__", str(ann))
 
@@ -51,12 +51,24 @@ def _range(field) -> str:
                      if isinstance(m, kind))
 
 
+def _optional_section(ann) -> type[BaseModel] | None:
+    """The section of a ``Section | None`` field (off when null, e.g. ``trainer.lora``), else None."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1 and type(None) in typing.get_args(ann):
+            return models[0]
+    return None
+
+
 def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, type[BaseModel]]]:
-    """(title, key prefix, model) of every section, a list item of each ``type`` as its own."""
+    """(title, key prefix, model) of every section (an optional one too), a list item of each
+    ``type`` as its own."""
     out = [(prefix.rstrip(".") or "top level", prefix, model)]
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             out += _sections(field.annotation, f"{prefix}{name}.")
+        elif section := _optional_section(field.annotation):
+            out += _sections(section, f"{prefix}{name}.")
         for tag, member in (tagged_members(field.annotation) or {}).items():
             out.append((f"{prefix}{name}[]` of type `{tag}", f"{prefix}{name}[].", member))
     return out

@@ -1,7 +1,7 @@
 """Export a trainer checkpoint as a self-contained Hugging Face folder.
 
     python -m yatt.export CHECKPOINT OUT_DIR [--overwrite] [--max-shard-size 5GB] [--model-path DIR]
-                          [--role actor|critic]
+                          [--role actor|critic] [--merge]
 
 ``CHECKPOINT`` is a committed step directory (``<root>/step_000012``, holding ``meta.json`` and
 ``model/tp{t}_pp{p}.pt``: the ``state_dict()`` of the GPTModel of TP rank t, pipeline stage p,
@@ -13,7 +13,9 @@ tokenizer files and chat template, so ``AutoModelForCausalLM.from_pretrained(OUT
 ``vllm.LLM(OUT_DIR)`` load it as is. ``--role critic`` exports PPO's value model instead
 (``model/critic_tp{t}_pp{p}.pt``) as a one-label ``*ForSequenceClassification`` folder whose
 ``score.weight`` is the value head. The folder is built under a temporary name beside
-``OUT_DIR`` and renamed into place when complete. Errors print ``yatt.export: <message>`` to
+``OUT_DIR`` and renamed into place when complete. A LoRA checkpoint (``trainer.lora``: adapters
+only) is written as a PEFT adapter folder for the base model (``PeftModel.from_pretrained``), or
+with ``--merge`` as the base model with the adapters merged in. Errors print ``yatt.export: <message>`` to
 stderr and exit with status 2.
 """
 from __future__ import annotations
@@ -153,6 +155,81 @@ def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict, role: str = "acto
     return out
 
 
+def lora_settings(meta: dict, role: str) -> dict | None:
+    """The role's LoRA settings in ``meta.json`` (``trainer.lora`` / ``critic.lora`` as saved), or
+    None for a model trained whole."""
+    return (meta.get("lora") or {}).get(role)
+
+
+def lora_state(step_dir: Path, meta: dict, hf_config: dict, role: str = "actor") -> tuple[dict, dict]:
+    """(PEFT adapter tensors, other trained tensors) of a LoRA checkpoint: every TP rank's adapters
+    of every stage merged by :func:`yatt.trainer.lora.peft_state`; the other tensors are a critic's
+    value head as ``score.weight``.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`hf_state_dict` (a missing shard, another dtype,
+            ranks holding different adapters).
+    """
+    from yatt.trainer.lora import peft_state
+
+    tp, pp, dtype = meta["tp"], meta["pp"], DTYPES[meta["dtype"]]
+    layout = layout_from_hf(hf_config, tp)
+    by_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    extra = {}
+    for stage in range(pp):
+        for t in range(tp):
+            path = step_dir / "model" / f"{files.role_key(role, f'tp{t}_pp{stage}')}.pt"
+            for local, tensor in _load_shard(path).items():
+                if tensor.dtype != dtype:
+                    raise ValueError(f"{path}: {local} is {tensor.dtype}, meta.json says {meta['dtype']}")
+                name = global_param_name(local, layout, pp, stage)
+                if role == "critic" and name == "output_layer.weight":
+                    extra["score.weight"] = tensor.clone(memory_format=torch.contiguous_format)
+                elif name.endswith((".lora_A", ".lora_B")):
+                    by_rank[t][name] = tensor
+                else:
+                    raise ValueError(f"{path}: {local} is neither an adapter nor a value head")
+    return peft_state(by_rank, layout), extra
+
+
+def merged_lora_state(step_dir: Path, meta: dict, hf_config: dict, base: Path, role: str = "actor") -> dict:
+    """The full HF state of a LoRA checkpoint: the base folder's weights in the checkpoint dtype
+    plus ``alpha / r * B A`` of every adapter (and a critic's ``score.weight``).
+
+    Raises:
+        ValueError: the base folder's weights are not the model the adapters were trained on
+            (missing or unexpected names).
+    """
+    from yatt.trainer.lora import merge_into_hf
+    from yatt.trainer.model import SafetensorsState
+
+    settings = lora_settings(meta, role)
+    peft, extra = lora_state(step_dir, meta, hf_config, role)
+    expected = expected_hf_names(layout_from_hf(hf_config, meta["tp"]), role)
+    base_state = SafetensorsState(base)
+    state = {n: base_state[n].to(DTYPES[meta["dtype"]]) for n in expected - extra.keys() if n in base_state}
+    state.update(extra)
+    if missing := expected - state.keys():
+        raise ValueError(f"base model {base} lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+    merge_into_hf(state, peft, settings["alpha"] / settings["rank"])
+    return state
+
+
+def _write_adapter(folder: Path, peft: dict, settings: dict, base: Path) -> None:
+    """A PEFT adapter folder: ``adapter_config.json``, ``adapter_model.safetensors`` and the base
+    model's tokenizer files (``PeftModel.from_pretrained(base model, folder)`` loads it)."""
+    from safetensors.torch import save_file
+
+    from yatt.trainer.lora import peft_config
+
+    config = peft_config(settings["rank"], settings["alpha"], settings["dropout"], settings["targets"], str(base))
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(peft, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    for name in ASSET_FILES:
+        if (base / name).is_file():
+            shutil.copyfile(base / name, folder / name)
+
+
 def _write_folder(folder: Path, state: dict[str, torch.Tensor], hf_config: dict, dtype: str, model_path: Path,
                   max_shard_size: int | str) -> None:
     from huggingface_hub import save_torch_state_dict
@@ -176,8 +253,9 @@ def critic_config(hf_config: dict) -> dict:
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False, *,
                       max_shard_size: int | str = "5GB", model_path: str | Path | None = None,
-                      role: str = "actor") -> Path:
-    """Write the model of a checkpoint as an HF folder (safetensors, config, tokenizer).
+                      role: str = "actor", merge: bool = False) -> Path:
+    """Write the model of a checkpoint as an HF folder (safetensors, config, tokenizer), or, for a
+    LoRA checkpoint, a PEFT adapter folder unless ``merge``.
 
     Args:
         checkpoint: step directory or checkpoint root (its ``latest`` is followed).
@@ -190,6 +268,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
             moved to another machine).
         role: ``"actor"`` (the policy, a causal LM) or ``"critic"`` (PPO's value model, written
             as a one-label sequence-classification model: :func:`critic_config`).
+        merge: a LoRA checkpoint: write the base model with the adapters merged in
+            (:func:`merged_lora_state`) instead of a PEFT adapter folder. A LoRA critic is
+            written merged only.
     Returns:
         ``out_dir`` as a Path.
     Raises:
@@ -222,13 +303,26 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
     if not (base / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in the base model folder {base} (use --model-path)")
     hf_config = json.loads((base / "config.json").read_text())
-    state = hf_state_dict(step, meta, hf_config, role)
+    settings = lora_settings(meta, role)
+    if settings is None and merge:
+        raise ValueError(f"--merge: checkpoint {step} holds no LoRA adapters (its {role} was trained whole)")
+    if settings is not None and role == "critic" and not merge:
+        raise ValueError(f"checkpoint {step} holds a LoRA critic: export it merged (--merge)")
+    if settings is None:
+        state = hf_state_dict(step, meta, hf_config, role)
+    elif merge:
+        state = merged_lora_state(step, meta, hf_config, base, role)
+    else:
+        state = lora_state(step, meta, hf_config, role)[0]
     if role == "critic":
         hf_config = critic_config(hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        _write_folder(tmp, state, hf_config, meta["dtype"], base, max_shard_size)
+        if settings is not None and not merge:
+            _write_adapter(tmp, state, settings, base)
+        else:
+            _write_folder(tmp, state, hf_config, meta["dtype"], base, max_shard_size)
         del state
         umask = os.umask(0)
         os.umask(umask)
@@ -266,11 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", default=None, help="base model folder instead of meta.json's model_path")
     parser.add_argument("--role", default="actor", choices=("actor", "critic"),
                         help="actor: the policy (a causal LM); critic: PPO's value model (sequence classification)")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: write the base model with the adapters merged in, not a PEFT adapter folder")
     args = parser.parse_args(argv)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, args.overwrite, max_shard_size=size,
-                                model_path=args.model_path, role=args.role)
+                                model_path=args.model_path, role=args.role, merge=args.merge)
     except (OSError, ValueError, KeyError, NotImplementedError) as e:
         print(f"yatt.export: {e}", file=sys.stderr)
         return 2

@@ -138,7 +138,7 @@ def build_job(cfg: Config, info: RankInfo, watchdog=None) -> Job:
                                  "critic_guard": critic_guard, "sampler": sampler, "placement": placement,
                                  "kl_ctrl": kl_ctrl},
                           meta={"world": info.world_size, "tp": t.tp, "pp": t.pp, "dtype": cfg.model.dtype,
-                                "model_path": str(model_path), "config": cfg.model_dump(),
+                                "model_path": str(model_path), "config": cfg.model_dump(), "lora": _lora_meta(cfg),
                                 **({"critic_model_path": str(critic_path)}
                                    if cfg.critic.enabled or cfg.stage == "rm" else {})},
                           critic=critic)
@@ -160,6 +160,27 @@ def _env_factory(cfg: Config):
     return load_env(cfg.rollout.env, **cfg.rollout.env_args)
 
 
+def _lora_meta(cfg: Config) -> dict:
+    """Each trained role's LoRA settings (None: trained whole), for ``meta.json``: the exporter
+    reads them. Stage rm trains its reward model (the critic role) with ``trainer.lora``."""
+    def dump(section):
+        return None if section is None else section.model_dump()
+
+    if cfg.stage == "rm":
+        return {"actor": None, "critic": dump(cfg.trainer.lora)}
+    return {"actor": dump(cfg.trainer.lora), "critic": dump(cfg.critic.lora)}
+
+
+def _lora_spec(section, seed: int):
+    """A :class:`~yatt.trainer.lora.LoraSpec` of a ``trainer.lora`` / ``critic.lora`` section (None: off)."""
+    if section is None:
+        return None
+    from yatt.trainer.lora import LoraSpec
+
+    return LoraSpec(rank=section.rank, alpha=section.alpha, dropout=section.dropout, targets=tuple(section.targets),
+                    seed=seed)
+
+
 def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple:
     """(actor or None, reference or None, critic or None) on a rank that trains; stage rm trains
     the critic alone (no actor)."""
@@ -174,14 +195,15 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     optim = OptimConfig(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                         adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, total_steps=optim_steps)
     recompute = t.recompute == "full"
+    lora = _lora_spec(t.lora, cfg.seed)
     if cfg.stage == "rm":  # the reward model is the critic's model, trained with the trainer's settings
         std = c.head_init_std
         if std is None:  # as transformers starts a classification head
             std = read_hf_config(critic_path).get("initializer_range", 0.02)
         return None, None, MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, recompute=recompute,
-                                          head_init_std=std, head_seed=cfg.seed)
+                                          head_init_std=std, head_seed=cfg.seed, lora=lora)
     actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group,
-                           recompute=recompute)
+                           recompute=recompute, lora=lora)
     ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
            if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo" else None)
     critic = None
@@ -191,7 +213,8 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
                                    adam_beta2=t.adam_beta2, clip_grad=c.clip_grad, warmup_steps=c.warmup_steps,
                                    total_steps=optim_steps)
         critic = MegatronCritic(critic_path, tp=t.tp, pp=t.pp, optim=critic_optim, dtype=dtype,
-                                dp_group=placement.train_group, recompute=recompute, **head)
+                                dp_group=placement.train_group, recompute=recompute,
+                                lora=_lora_spec(c.lora, cfg.seed), **head)
     return actor, ref, critic
 
 

@@ -157,7 +157,7 @@ class RunCheckpoints:
             if model is None:
                 continue
             key = files.role_key(role, self.load_key)
-            model.module.load_state_dict(load_part(folder, "model", key))
+            model.load_model_state_dict(load_part(folder, "model", key), f"checkpoint {folder} ({role})")
             optim = load_part(folder, "optim", key)
             model.optimizer.load_state_dict(optim["optimizer"])
             model.scheduler.num_steps = 0  # Megatron's load_state_dict steps forward by the saved count
@@ -235,7 +235,7 @@ class RunCheckpoints:
 
 def _model_state(model) -> tuple[dict, dict]:
     """(model shard state dict, ``{"optimizer", "scheduler"}`` states) of a trained model."""
-    return model.module.state_dict(), {"optimizer": model.optimizer.state_dict(),
+    return model.model_state_dict(), {"optimizer": model.optimizer.state_dict(),
                                        "scheduler": model.scheduler.state_dict()}
 
 

@@ -16,7 +16,7 @@ Targets that are one contiguous run of a local parameter are not copied (see
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -87,6 +87,10 @@ class BucketedSync:
         bucket_bytes: target bytes per bucket (default 512 MiB).
         i, j: inference TP size and rank of the consumer (1, 0: full HF tensors).
         threads: CPU threads of the copy kernel (0: ``torch.get_num_threads()``).
+        merged: global parameter name -> a function giving the tensor to sync in its place (same
+            shape, dtype and device), called when its bucket is built: LoRA's ``W + s B A``
+            (:func:`yatt.trainer.lora.merged_weight`), so at most one bucket's merged weights
+            exist at a time.
 
     Iterating is collective over the TP and PP groups: every member must consume the iterator
     to the end, in step. Yielded tensors are in the parameter dtype, on the parameter device:
@@ -105,8 +109,10 @@ class BucketedSync:
 
     def __init__(self, module: torch.nn.Module, layout: Layout, *, tp_group=None,
                  pp: int = 1, stage: int = 0, pp_group=None, pp_ranks: Sequence[int] = (0,),
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, i: int = 1, j: int = 0, threads: int = 0):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, i: int = 1, j: int = 0, threads: int = 0,
+                 merged: dict[str, Callable[[], torch.Tensor]] | None = None):
         self.layout, self.tp_group = layout, tp_group
+        self.merged = merged or {}
         self.stage, self.pp_group, self.pp_ranks = stage, pp_group, list(pp_ranks)
         self.i, self.j, self.threads = i, j, threads
         specs = megatron_params(layout, pp)
@@ -149,7 +155,10 @@ class BucketedSync:
                     self._programs[k] = _BucketProgram(bucket, self.layout, self.params, self.i, self.j,
                                                        (self.tp_group, self.tp_mpi), views=len(self.pp_ranks) == 1)
                 program = self._programs[k]
-                out = program.run(self.params, self.threads)
+                params = self.params
+                if self.merged and (names := [s.name for s in bucket if s.name in self.merged]):
+                    params = {**params, **{n: self.merged[n]() for n in names}}
+                out = program.run(params, self.threads)
                 entries = program.entries
             else:  # another stage builds this bucket: receive all of it
                 entries, pos = [], 0
@@ -164,7 +173,7 @@ class BucketedSync:
             elif len(self.pp_ranks) > 1:
                 dist.broadcast(out, src=self.pp_ranks[owner], group=self.pp_group)
             if program is not None:
-                return program.tensors(out, self.params)
+                return program.tensors(out, params)
             return [(e[0], out.as_strided(e[1], _strides(e[1]), e[3])) for e in entries]
 
 

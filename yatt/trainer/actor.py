@@ -21,6 +21,8 @@ import torch.distributed as dist
 from yatt.dist import mpi_comm
 from yatt.trainer import megatron_cpu, packing
 from yatt.trainer.grad_sum import SharedGradSum
+from yatt.trainer.hf_mapping import global_param_name, stage_layers
+from yatt.trainer.lora import LoraSpec, adapted_layers, add_adapters, merged_weight
 from yatt.trainer.model import build_gpt_model
 
 _PADDED_LOGIT = -1e30  # logit of vocab padding rows: exp() underflows to exactly 0
@@ -284,6 +286,10 @@ class MegatronPolicy:
             on GPUs; None: on CUDA with DP > 1 over the whole DP group. Otherwise they are summed
             after the backward pass (on CPU through shared memory, :mod:`yatt.trainer.grad_sum`).
             The same update either way.
+        lora: train LoRA adapters on the frozen model (:mod:`yatt.trainer.lora`) instead of all
+            of it: only the adapters (and a value head) get gradients and optimizer state, the
+            weight sync and :meth:`export_hf_weights` give the merged weights, and
+            :meth:`model_state_dict` holds the adapters only. None: full fine-tuning.
     Raises:
         RuntimeError: torch.distributed is not initialised (call ``yatt.dist.init_distributed``).
         ValueError: parallel_state exists with another TP / PP, world not divisible by tp pp,
@@ -298,7 +304,7 @@ class MegatronPolicy:
 
     def __init__(self, hf_path: str | Path, *, tp: int = 1, pp: int = 1, optim: OptimConfig | None = None,
                  dtype: torch.dtype = torch.float32, dp_group=None, recompute: bool = False,
-                 overlap_grad_reduce: bool | None = None):
+                 overlap_grad_reduce: bool | None = None, lora: LoraSpec | None = None):
         megatron_cpu.apply()
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -329,6 +335,13 @@ class MegatronPolicy:
                                                   **(recompute_args if recompute else {}))
         self.config = self.model.config
         self._device = next(self.model.parameters()).device
+        self.lora = lora
+        if lora is not None:
+            first = stage_layers(self.layout, pp, self.stage).start
+            add_adapters(self.model, lora, tp=tp, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                         first_layer=first)
+            if self.head == "value" and self.last_stage:  # a new head: trained whole
+                self.model.output_layer.requires_grad_(True)
         self.module = self.model  # the bare GPTModel (this TP rank's shard of its stage), under any wrappers
         self._model_kwargs = {}
         if dtype == torch.bfloat16:
@@ -569,7 +582,39 @@ class MegatronPolicy:
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
             pp_group = parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None
             pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else [dist.get_rank()]
+            merged = {global_param_name(name, self.layout, self.pp, self.stage): partial(merged_weight, layer)
+                      for name, layer in adapted_layers(self.module)}
             self._syncs[bucket_bytes] = BucketedSync(self.module, self.layout, tp_group=tp_group, pp=self.pp,
                                                      stage=self.stage, pp_group=pp_group, pp_ranks=pp_ranks,
-                                                     bucket_bytes=bucket_bytes)
+                                                     bucket_bytes=bucket_bytes, merged=merged)
         return iter(self._syncs[bucket_bytes])
+
+    # ---- checkpoint state ----------------------------------------------------------------
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """This shard's checkpointed model state: the GPTModel's ``state_dict()``, or with LoRA
+        only the trained tensors (adapters, a critic's value head); the frozen base comes from
+        the HF folder again at resume."""
+        state = self.module.state_dict()
+        if self.lora is None:
+            return state
+        return {n: t for n, t in state.items()
+                if n.endswith((".lora_A", ".lora_B")) or (self.head == "value" and n == "output_layer.weight")}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """Load what :meth:`model_state_dict` gave (``source`` names it in errors).
+
+        Raises:
+            ValueError: the names differ from this model's (e.g. a LoRA checkpoint into a full
+                fine-tune or back: naming ``trainer.lora``).
+        """
+        if self.lora is None:
+            if any(n.endswith((".lora_A", ".lora_B")) for n in state):
+                raise ValueError(f"{source} holds LoRA adapters, and this job has no trainer.lora")
+            self.module.load_state_dict(state)
+            return
+        want = set(self.model_state_dict())
+        if set(state) != want:
+            missing, extra = sorted(want - set(state))[:3], sorted(set(state) - want)[:3]
+            raise ValueError(f"{source} does not hold this job's trainer.lora adapters "
+                             f"(missing e.g. {missing}, unexpected e.g. {extra})")
+        self.module.load_state_dict(state, strict=False)

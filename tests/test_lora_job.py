@@ -1,0 +1,84 @@
+"""A LoRA job end to end (``trainer.lora`` and ``critic.lora``, PPO with GAE on the tiny policy,
+a parity reward so every step trains): the engines get the merged weights (the rollout/trainer
+logprob check), checkpoints hold adapters only and resume exactly (step 3 from step 2's checkpoint), and the
+exports (PEFT adapter folder, merged folder, merged critic) load in transformers and give the
+trainer's logprobs. ~60 s on the 2-core dev machine (two jobs, 2026-12-06).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import launch_job, wait_job
+from conftest import trainer_tp as ref
+
+pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
+ARGS = ("trainer.total_steps=3", "trainer.lr=1e-3", "trainer.lora={rank: 4, alpha: 8}", "algo.estimator=gae",
+        "critic.enabled=true", "critic.lora={rank: 2, alpha: 2}",
+        "reward.sources=[{name: parity, type: function, path: 'tests.reward_fns:parity', weight: 1.0}]")
+_TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
+
+
+def _records(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
+
+
+def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, tmp_path, tiny_policy):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from yatt.export import export_checkpoint
+    from yatt.trainer.actor import MegatronPolicy
+    from yatt.trainer.lora import LoraSpec
+
+    args = (f"model.path={tiny_policy}", *ARGS)
+    first, run = tmp_path / "ref", tmp_path / "run"
+    assert wait_job(launch_job(first, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    train = [r for r in _records(first) if "reward_mean" in r]
+    assert len(train) == 3 and all(r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in train)
+    # the engines' weights after each sync are the trainer's W + s B A
+    assert all(r["logprob_diff_rollout_vs_train"] < 1e-4 for r in train), [r["logprob_diff_rollout_vs_train"] for r in train]
+    step = first / "checkpoints" / "step_000003"
+    adapters = torch.load(step / "model" / "tp0_pp0.pt", weights_only=True)
+    assert adapters and all(k.endswith((".lora_A", ".lora_B")) for k in adapters)
+    critic = torch.load(step / "model" / "critic_tp0_pp0.pt", weights_only=True)
+    assert set(critic) - {k for k in critic if k.endswith((".lora_A", ".lora_B"))} == {"output_layer.weight"}
+
+    # a run resumed from the first run's step-2 checkpoint (adapters, their optimizer state, base from
+    # the HF folder again) trains step 3 exactly as the first run did
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(first / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
+    (run / "checkpoints" / "latest").write_text("step_000002\n")
+    assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert "resumed from" in (tmp_path / "run.log").read_text()
+    resumed = [r for r in _records(run) if r["step"] == 3]
+    assert resumed and resumed == [r for r in _records(first) if r["step"] == 3]
+
+    # exports: PEFT folder, merged folder and the merged critic, against the trainer holding the checkpoint
+    spec = LoraSpec(rank=4, alpha=8.0)
+    policy = MegatronPolicy(tiny_policy, lora=spec)
+    policy.load_model_state_dict(adapters)
+    seqs = [torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 19)]
+    mbs = [{"input_ids": s[None], "mask": torch.ones(1, len(s))} for s in seqs]
+    trainer_lp = [lp for lp, _ in policy.compute_logprobs(mbs)]
+    peft_dir = export_checkpoint(step, tmp_path / "adapter")
+    merged_dir = export_checkpoint(step, tmp_path / "merged", merge=True)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in peft_dir.iterdir()}
+    base = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32)
+    models = {"peft": PeftModel.from_pretrained(base, peft_dir).eval(),
+              "merged": AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()}
+    for name, model in models.items():
+        for lp, mb in zip(trainer_lp, mbs):
+            with torch.no_grad():
+                hf_lp, _ = ref.hf_logprobs_entropy(model, mb["input_ids"])
+            assert (lp - hf_lp).abs().max().item() < 1e-4, name
+    critic_dir = export_checkpoint(step, tmp_path / "critic", role="critic", merge=True)
+    model = AutoModelForSequenceClassification.from_pretrained(critic_dir, dtype=torch.float32)
+    assert torch.equal(model.score.weight, critic["output_layer.weight"])
+    with pytest.raises(ValueError, match="--merge"):
+        export_checkpoint(step, tmp_path / "critic_peft", role="critic")
