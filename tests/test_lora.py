@@ -20,7 +20,7 @@ adapter_shard, randomise_b = lora_ref.adapter_shard, lora_ref.randomise_b
 @pytest.mark.parametrize("model_type,tied,targets", [("llama", True, None), ("qwen2", False, ("linear_qkv", "linear_fc2"))])
 def test_lora_policy_matches_peft_and_syncs_merged_weights(world1, tmp_path, model_type, tied, targets):
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
-    from yatt.trainer.lora import TARGETS, LoraSpec
+    from yatt.trainer.lora import TARGETS, BaseReference, LoraSpec
 
     ref.save_tiny_hf(tmp_path, model_type, vocab_size=100, tied=tied)
     spec = LoraSpec(rank=4, alpha=8.0, targets=targets or TARGETS, seed=3)
@@ -36,6 +36,10 @@ def test_lora_policy_matches_peft_and_syncs_merged_weights(world1, tmp_path, mod
         assert torch.equal(lp, base_lp)
 
     randomise_b(policy, seed=4)
+    # the reference policy of a LoRA run is the base model: the policy with its adapters off
+    for (lp, _), (base_lp, _) in zip(BaseReference(policy).compute_logprobs(mbs), plain.compute_logprobs(mbs)):
+        assert torch.equal(lp, base_lp)
+    assert not torch.equal(policy.compute_logprobs(mbs)[0][0], plain.compute_logprobs(mbs)[0][0])
     lora_ref.check_against_peft(policy, tmp_path, spec, [adapter_shard(policy)])
 
 
@@ -92,3 +96,24 @@ def test_lora_at_tp2_matches_peft(shared_job):
     """tests/mpi/lora_tp.py in conftest's shared 2-rank job (~15 s of it, 2026-12-06)."""
     out = shared_job("ranks_2")
     assert out.count("] lora tp=2 OK in ") == 2, out[-3000:]
+
+
+def test_lora_on_a_bf16_base_trains_the_adapters_alone(world1, tmp_path):
+    """model.dtype=bfloat16: the frozen base held in bf16 (half the memory), the adapters trained
+    through fp32 main parameters; the sync's merged weights come in bf16."""
+    import math
+
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+    from yatt.trainer.lora import LoraSpec
+
+    ref.save_tiny_hf(tmp_path, "llama", vocab_size=100, tied=True)
+    policy = MegatronPolicy(tmp_path, optim=OptimConfig(lr=1e-2, total_steps=2), dtype=torch.bfloat16,
+                            lora=LoraSpec(rank=2))
+    base = {n: p.detach().clone() for n, p in policy.module.named_parameters() if not p.requires_grad}
+    assert all(t.dtype == torch.bfloat16 for t in base.values())
+    before = adapter_shard(policy)
+    stats = policy.train_step(ref.padded_micro_batches([[6, 10]], 100, seed=2), ref.sum_logprob_loss)
+    assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
+    assert all(not torch.equal(a, before[n]) for n, a in adapter_shard(policy).items() if n.endswith(".lora_B"))
+    assert all(torch.equal(p, base[n]) for n, p in policy.module.named_parameters() if not p.requires_grad)
+    assert all(t.dtype == torch.bfloat16 for _, t in policy.export_hf_weights())

@@ -186,6 +186,7 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
     the critic alone (no actor)."""
     from yatt.trainer.actor import MegatronPolicy, OptimConfig
     from yatt.trainer.critic import MegatronCritic
+    from yatt.trainer.lora import BaseReference
     from yatt.trainer.model import read_hf_config
 
     t, c = cfg.trainer, cfg.critic
@@ -204,8 +205,10 @@ def _models(cfg: Config, placement: Placement, model_path, critic_path) -> tuple
                                           head_init_std=std, head_seed=cfg.seed, lora=lora)
     actor = MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=optim, dtype=dtype, dp_group=placement.train_group,
                            recompute=recompute, lora=lora)
-    ref = (MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None, dtype=dtype)
-           if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo" else None)
+    ref = None
+    if cfg.algo.kl_coef > 0 or cfg.algo.kl_in_reward > 0 or cfg.stage == "dpo":  # with LoRA: the base, adapters off
+        ref = BaseReference(actor) if lora is not None else MegatronPolicy(model_path, tp=t.tp, pp=t.pp, optim=None,
+                                                                           dtype=dtype)
     critic = None
     if c.enabled:  # PPO's critic: its head starts at zero unless critic.head_init_std says otherwise
         head = dict(head_init_std=c.head_init_std or 0.0, head_seed=cfg.seed)
