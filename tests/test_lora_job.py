@@ -18,6 +18,7 @@ from conftest import trainer_tp as ref
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 ARGS = ("trainer.total_steps=3", "trainer.lr=1e-3", "trainer.lora={rank: 4, alpha: 8}", "algo.estimator=gae",
+        "algo.kl_in_reward=0.05",  # a reference policy: the base model, the adapters off
         "critic.enabled=true", "critic.lora={rank: 2, alpha: 2}",
         "reward.sources=[{name: parity, type: function, path: 'tests.reward_fns:parity', weight: 1.0}]")
 _TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
@@ -41,6 +42,10 @@ def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, tmp_p
     assert wait_job(launch_job(first, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
     train = [r for r in _records(first) if "reward_mean" in r]
     assert len(train) == 3 and all(r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in train)
+    # the reference (the base: adapters off) equals the policy at step 1 and falls behind it after
+    # (k1 of the rollout's logprobs to the reference's: step 1's is the engine/trainer rounding, ~1e-7)
+    kls = [abs(r["reward_kl"]) for r in train]
+    assert kls[0] < 1e-5 and all(kl > 1e-4 for kl in kls[1:]), kls
     # the engines' weights after each sync are the trainer's W + s B A
     assert all(r["logprob_diff_rollout_vs_train"] < 1e-4 for r in train), [r["logprob_diff_rollout_vs_train"] for r in train]
     step = first / "checkpoints" / "step_000003"
@@ -77,6 +82,14 @@ def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, tmp_p
             with torch.no_grad():
                 hf_lp, _ = ref.hf_logprobs_entropy(model, mb["input_ids"])
             assert (lp - hf_lp).abs().max().item() < 1e-4, name
+    # python -m yatt.eval --checkpoint pushes the same merged weights into its engine
+    from safetensors.torch import load_file
+
+    from yatt.eval import checkpoint_weights
+
+    merged = load_file(merged_dir / "model.safetensors")
+    assert {n: t for n, t in checkpoint_weights(step, tiny_policy)}.keys() == merged.keys()
+    assert all(torch.equal(t, merged[n]) for n, t in checkpoint_weights(step, tiny_policy))
     critic_dir = export_checkpoint(step, tmp_path / "critic", role="critic", merge=True)
     model = AutoModelForSequenceClassification.from_pretrained(critic_dir, dtype=torch.float32)
     assert torch.equal(model.score.weight, critic["output_layer.weight"])

@@ -140,11 +140,12 @@ def model_source(cfg: Config, checkpoint: str | None, model: str | None) -> Mode
 
 def checkpoint_weights(step: Path, base: Path):
     """``(HF name, full tensor)`` of the policy in checkpoint ``step`` (its model shards merged
-    with the mapping the weight sync uses, :func:`yatt.export.hf_state_dict`), for
-    ``VLLMEngine.update_weights``; ``base`` holds the model's ``config.json``."""
-    from yatt.export import hf_state_dict, read_meta
+    with the mapping the weight sync uses, or a LoRA checkpoint's adapters merged into the base
+    weights: :func:`yatt.export.full_state_dict`), for ``VLLMEngine.update_weights``; ``base``
+    holds the model's ``config.json`` (and, for LoRA, its weights)."""
+    from yatt.export import full_state_dict, read_meta
 
-    return iter(hf_state_dict(step, read_meta(step), json.loads((base / "config.json").read_text())).items())
+    return iter(full_state_dict(step, read_meta(step), json.loads((base / "config.json").read_text()), base).items())
 
 
 def run(cfg: Config, source: ModelSource, sets: list[EvalSet], limit: int | None = None,

@@ -215,6 +215,15 @@ def merged_lora_state(step_dir: Path, meta: dict, hf_config: dict, base: Path, r
     return state
 
 
+def full_state_dict(step_dir: Path, meta: dict, hf_config: dict, base: Path, role: str = "actor") -> dict:
+    """A checkpoint's ``role`` as full HF tensors: its shards merged (:func:`hf_state_dict`), or
+    for a LoRA checkpoint its adapters merged into the ``base`` folder's weights
+    (:func:`merged_lora_state`)."""
+    if lora_settings(meta, role) is None:
+        return hf_state_dict(step_dir, meta, hf_config, role)
+    return merged_lora_state(step_dir, meta, hf_config, base, role)
+
+
 def _write_adapter(folder: Path, peft: dict, settings: dict, base: Path) -> None:
     """A PEFT adapter folder: ``adapter_config.json``, ``adapter_model.safetensors`` and the base
     model's tokenizer files (``PeftModel.from_pretrained(base model, folder)`` loads it)."""
@@ -308,10 +317,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, overwrite: bo
         raise ValueError(f"--merge: checkpoint {step} holds no LoRA adapters (its {role} was trained whole)")
     if settings is not None and role == "critic" and not merge:
         raise ValueError(f"checkpoint {step} holds a LoRA critic: export it merged (--merge)")
-    if settings is None:
-        state = hf_state_dict(step, meta, hf_config, role)
-    elif merge:
-        state = merged_lora_state(step, meta, hf_config, base, role)
+    if settings is None or merge:
+        state = full_state_dict(step, meta, hf_config, base, role)
     else:
         state = lora_state(step, meta, hf_config, role)[0]
     if role == "critic":
