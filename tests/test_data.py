@@ -250,3 +250,77 @@ def test_no_eval_rows_means_no_eval(tokenizer, tmp_path, caplog, overrides):
         stream, evals, total = _load_data(cfg, tokenizer, RankInfo(0, 1, 0, "single"), (0,))
     assert evals == [] and total == 0 and isinstance(stream, PromptStream)
     assert any("eval: no eval rows" in r.getMessage() for r in caplog.records)
+
+
+class _IndexSource:
+    """Rows 0..n-1 dealt to ``rank`` of ``world`` as PromptStream deals a task's (``range(rank,
+    n, world)``), each epoch a permutation; a row is its index."""
+
+    def __init__(self, n: int, rank: int = 0, world: int = 1):
+        self.n, self.indices = n, range(rank, n, world)
+
+    def for_rank(self, rank: int, world: int) -> "_IndexSource":
+        return _IndexSource(self.n, rank, world)
+
+    def rows(self, seed: int, epoch: int):
+        from yatt.assets.data import epoch_order
+
+        return (self.indices[i] for i in epoch_order(len(self.indices), seed, epoch))
+
+    def prepare(self, raw: int) -> int:
+        return raw
+
+
+@pytest.mark.parametrize("old,new,steps", [(2, 1, 4), (2, 3, 4), (3, 2, 8)])
+def test_a_shard_resumed_on_another_world_size_draws_each_row_once_per_epoch(old, new, steps):
+    """23 rows, shards of unequal size: after ``steps`` steps of 3 rows the old shards stand in
+    different epochs. Resumed on ``new`` ranks, the rows left are drawn first, after which every row has been
+    drawn exactly as often (the furthest shard's epoch count); then each new rank draws its own
+    shard of the new world, each of its rows once per epoch. A checkpoint taken while the rows
+    left are served resumes exactly on the new world size and is refused on yet another."""
+    from collections import Counter
+
+    from yatt.controller.shard import resharded_state
+
+    n = 23
+    shards = [PromptShard(_IndexSource(n, r, old), 3, seed=100 + r) for r in range(old)]
+    drawn = Counter()
+    for _ in range(steps):
+        for shard in shards:
+            drawn.update(shard.next_batch())
+    states = [shard.state_dict() for shard in shards]
+    assert len({st["epoch"] for st in states}) == 2  # one shard crossed into its next epoch
+    furthest = max(st["epoch"] for st in states) + 1
+    resumed = []
+    for r in range(new):  # one row per draw: which rows came from the old shards is plain
+        resumed.append(PromptShard(_IndexSource(n, r, new), 1, seed=200 + r))
+        resumed[-1].load_state_dict(resharded_state(states, r, new, seed=200 + r))
+    own = {r: [] for r in range(new)}  # each new rank's rows of its own first epoch
+    draws = 0
+    while any(shard.carry is not None for shard in resumed):
+        if draws == 2:  # a checkpoint while the rows left are served
+            mid = [shard.state_dict() for shard in resumed]
+            again = [PromptShard(_IndexSource(n, r, new), 1, seed=200 + r) for r in range(new)]
+            for shard, st in zip(again, mid):
+                shard.load_state_dict(st)
+            with pytest.raises(ValueError, match=f"resume it on {new} ranks"):
+                resharded_state(mid, 0, new + 1, seed=0)
+        for r, shard in enumerate(resumed):
+            (row,) = shard.next_batch()
+            if draws == 2:
+                assert again[r].next_batch() == [row]
+            (drawn.update([row]) if shard.carry is not None else own[r].append(row))
+        draws += 1
+    assert drawn == Counter({row: furthest for row in range(n)})
+    for r, shard in enumerate(resumed):  # the rest of the new shard's first epoch
+        assert shard.epoch == furthest
+        own[r] += [shard.next_batch()[0] for _ in range(len(range(r, n, new)) - len(own[r]))]
+        assert sorted(own[r]) == list(range(r, n, new))
+
+
+def test_a_prompt_stream_for_another_rank_deals_that_ranks_rows(tokenizer):
+    cfg = DataConfig(train_size=10)
+    stream = PromptStream(cfg, tokenizer, 0, 2)
+    other = stream.for_rank(1, 3)
+    assert list(other.rows(5, 0)) == list(PromptStream(cfg, tokenizer, 1, 3).rows(5, 0))
+    assert sorted(other.rows(5, 1)) == [1, 4, 7]

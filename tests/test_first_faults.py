@@ -16,7 +16,7 @@ from conftest import MPIRUN, ROOT, job_env
 from yatt.checkpoint import triggers
 from yatt.checkpoint.triggers import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, SaveTriggers
 from yatt.config import ConfigError, load_config
-from yatt.launch import _check_output_dir
+from yatt.launch import _check_output_dir, _check_resume_layout
 from yatt.paths import check_job_paths
 from yatt.run_lock import RunLock, RunLocked, check_free
 
@@ -119,6 +119,30 @@ def test_a_rerun_after_a_run_stopped_before_its_first_checkpoint_says_so(tmp_pat
     with pytest.raises(ConfigError, match=r"stopped before its first checkpoint was committed \(.*step_000001\.tmp "
                                           r"is an unfinished save\).*pass overwrite=true"):
         _check_output_dir(load_config(RECIPE, [f"output_dir={tmp_path}"]))
+
+
+def test_a_checkpoint_of_another_layout_is_refused_before_any_model_loads(tmp_path):
+    """A checkpoint saved with another TP or PP (or another world size under rollout_apart), or
+    with LoRA where the job trains whole (and back), is refused up front, naming ``resume`` (or
+    ``trainer.lora``) and both layouts; another world size with the same TP and PP is resumed."""
+    import json
+
+    step = tmp_path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    meta = {"world": 2, "tp": 1, "pp": 1, "lora": {"actor": None}, "config": {"stage": "rl"}}
+    (step / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
+    cfg = load_config(RECIPE, [f"output_dir={tmp_path}"])
+    _check_resume_layout(cfg, 2)  # the same layout
+    _check_resume_layout(cfg, 3)  # another world size: resumed (tests/test_resume.py)
+    with pytest.raises(ConfigError, match=r"config key 'resume': checkpoint .*step_000002 was saved with world size 2, "
+                                          r"TP 1, PP 1; this job has world size 2, TP 2, PP 1.*trainer.tp=1 trainer.pp=1"):
+        _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "trainer.tp=2"]), 2)
+    with pytest.raises(ConfigError, match=r"rollout_apart .* \(mpirun -np 2\)"):
+        _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "placement.mode=rollout_apart"]), 3)
+    with pytest.raises(ConfigError, match=r"config key 'trainer.lora': .* holds a policy trained whole"):
+        _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "trainer.lora={}"]), 2)
+    _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "resume=none", "overwrite=true", "trainer.tp=2"]), 1)
 
 
 def test_bad_paths_stop_an_mpi_job_before_any_model_loads(tmp_path):

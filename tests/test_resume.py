@@ -20,6 +20,8 @@ coefficient's state resume too (it changes every step: ``kl_coef_current``).
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,3 +172,28 @@ def _kill_after_step_2_and_resume_to(tmp_path: Path, args: tuple[str, ...], refe
     assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert "resumed from" in (tmp_path / "run.log").read_text()
     assert _records(run) == reference
+
+
+def test_a_run_resumes_on_fewer_and_on_more_ranks(tmp_path, tiny_policy):
+    """A 4-step run under ``mpirun -np 2`` (the reference, every checkpoint kept), then its step-2
+    checkpoint resumed under ``-np 1`` and under ``-np 3`` (same TP and PP): each trains steps 3
+    and 4 with finite metrics and says that the layout changed and what that means
+    (``tests/test_data.py`` shows that the data shards draw no row twice and leave none out)."""
+    args = (f"model.path={tiny_policy}", "checkpoint.keep_last=4")
+    ref = tmp_path / "ref"
+    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    for ranks in (1, 3):
+        run = tmp_path / f"np{ranks}"
+        (run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ref / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
+        (run / "checkpoints" / "latest").write_text("step_000002\n")
+        out = subprocess.run([str(MPIRUN), "-np", str(ranks), sys.executable, "-m", "yatt.launch", "--config",
+                              DEMO_RECIPE, *DEMO_ARGS, *args, f"output_dir={run}"],
+                             cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-4000:]
+        assert f"was saved on 2 ranks and this job has {ranks} (TP 1, PP 1 as saved)" in out.stderr, out.stderr[-3000:]
+        assert f"the global batch is {ranks} prompts per step (it was 2" in out.stderr
+        train = [r for r in _records(run) if "reward_mean" in r]
+        assert [r["step"] for r in train] == [3, 4]
+        assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["reward_mean"]) for r in train)
+        assert (run / "checkpoints" / "step_000004" / "rank" / f"{ranks - 1:05d}.pt").is_file()

@@ -67,6 +67,44 @@ def _check_output_dir(cfg) -> None:
     raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({metrics}) {why}; {how}")
 
 
+def _check_resume_layout(cfg, world: int) -> None:
+    """Refuse, before any model loads, a checkpoint to resume that was saved with another TP or PP
+    (or, with ``placement.mode=rollout_apart``, another world size), or with LoRA adapters where
+    this job trains whole (and back). The checkpoint
+    is the one ``resume`` names, or for ``auto`` the newest complete one;
+    :meth:`~yatt.checkpoint.run_state.RunCheckpoints.resume` checks again the one it loads."""
+    from yatt.checkpoint.files import checkpoint_root, find_latest, read_meta, resolve
+
+    if cfg.resume == "none" or cfg.overwrite:
+        return
+    folder = find_latest(checkpoint_root(cfg)) if cfg.resume == "auto" else resolve(cfg.resume)
+    try:
+        meta = read_meta(folder) if folder is not None else None
+    except (OSError, ValueError):
+        return  # a damaged meta.json is named when the checkpoint is verified
+    if meta is None:
+        return
+    saved = {k: meta.get(k) for k in ("world", "tp", "pp")}
+    layout = f"world size {saved['world']}, TP {saved['tp']}, PP {saved['pp']}"
+    if (saved["tp"], saved["pp"]) != (cfg.trainer.tp, cfg.trainer.pp):
+        raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout}; this job has world size "
+                          f"{world}, TP {cfg.trainer.tp}, PP {cfg.trainer.pp}. A checkpoint resumes on any world size "
+                          f"with the TP and PP it was saved with (resharding TP or PP at resume is not implemented "
+                          f"yet): run with trainer.tp={saved['tp']} trainer.pp={saved['pp']}, or start a new run "
+                          "(resume=none, or another output_dir)")
+    saved_mode = (meta.get("config") or {}).get("placement", {}).get("mode")
+    if saved["world"] != world and "rollout_apart" in (saved_mode, cfg.placement.mode):
+        raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout} and this job has world "
+                          f"size {world}; placement.mode=rollout_apart keeps in-flight rollouts on its sampler ranks, "
+                          f"so it resumes on the world size it was saved with (mpirun -np {saved['world']})")
+    lora = (meta.get("lora") or {}).get("actor") is not None
+    if "config" in meta and meta["config"].get("stage") == cfg.stage != "rm" and lora != (cfg.trainer.lora is not None):
+        what = "LoRA adapters" if lora else "a policy trained whole"
+        raise ConfigError(f"config key 'trainer.lora': checkpoint {folder} holds {what}, and this job "
+                          f"{'trains whole' if lora else 'trains LoRA adapters'}; set trainer.lora as the run was "
+                          "started, or start a new run (resume=none, or another output_dir)")
+
+
 def _lock_output_dir(cfg, info):
     """Rank 0 takes the run folder's lock (:class:`yatt.run_lock.RunLock`) for the job's life;
     every rank learns whether it could (one broadcast). Returns the lock (rank 0) or None.
@@ -226,6 +264,7 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
         check_job_paths(cfg)
         check_free(cfg.output_dir)  # another job's folder: said before torch starts (rank 0 locks it below)
         _check_output_dir(cfg)
+        _check_resume_layout(cfg, info.world_size)
         _check_model_parallel(cfg, info.world_size)
         _check_placement(cfg, info)
         _check_estimator(cfg)

@@ -35,6 +35,7 @@ eval split.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -364,6 +365,16 @@ class PromptStream:
             raise ValueError("data.source is 'file' but data.train_files is empty")
         else:
             self._files, self._start, self._step = _file_part(cfg.train_files, rank, world)
+
+    def for_rank(self, rank: int, world: int) -> "PromptStream":
+        """The same data's stream for ``rank`` of ``world`` (a resume on another world size reads
+        the old ranks' rows through it); it shares this stream's counters and task rows."""
+        other = copy.copy(self)
+        if self.cfg.source == "reasoning_gym":
+            other._indices = range(rank, len(self._task), world)
+        else:
+            other._files, other._start, other._step = _file_part(self.cfg.train_files, rank, world)
+        return other
 
     def rows(self, seed: int, epoch: int) -> Iterator[Any]:
         """This rank's raw rows (row dicts or task indices) in epoch ``epoch``'s order.

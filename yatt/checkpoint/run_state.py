@@ -7,6 +7,11 @@ rank's RNG states (Python, NumPy, torch, CUDA), its controller shard's data posi
 bad-row counters, the stability guard's history, the dynamic sampler's counter and the
 placement's split search. Rollout seeds are derived from (seed, step, rank, round), so they
 need no state. The frozen reference model is not saved: it is rebuilt from the base model.
+
+A checkpoint also resumes on another number of ranks with the same TP and PP (another DP
+size; :meth:`RunCheckpoints.resume`): the model and optimizer files are per TP x PP shard and
+load as they are, the data shards continue through
+:func:`~yatt.controller.shard.resharded_state`, and the per-rank states are dealt to the new ranks.
 """
 from __future__ import annotations
 
@@ -116,8 +121,10 @@ class RunCheckpoints:
     def resume(self) -> int:
         """Load the checkpoint ``cfg.resume`` names (collective); returns its step (0: fresh start).
 
+        A checkpoint of another world size (same TP and PP) resumes through :meth:`_resized_parts`.
+
         Raises:
-            ValueError: the checkpoint was saved with another world size, TP or PP.
+            ValueError: the checkpoint was saved with another TP or PP.
             CheckpointDamaged: it does not verify (on every rank; rank 0 checked it).
         """
         folder = error = None
@@ -137,19 +144,52 @@ class RunCheckpoints:
         meta = files.read_meta(folder)
         have = {k: self.meta[k] for k in ("world", "tp", "pp")}
         saved = {k: meta.get(k) for k in have}
-        if saved != have:
+        if {k: saved[k] for k in ("tp", "pp")} != {k: have[k] for k in ("tp", "pp")}:
             raise ValueError(f"config key 'resume': checkpoint {folder} was saved with {saved}, this job has {have}")
         self._load_policy(folder)
-        state = load_part(folder, "rank", f"{self.rank:05d}")
-        set_rng_state(state["rng"])
+        if saved["world"] == have["world"]:
+            state = load_part(folder, "rank", f"{self.rank:05d}")
+            set_rng_state(state["rng"])
+            parts = state["parts"]
+        else:
+            parts = self._resized_parts(folder, saved["world"])
         for name, part in self.parts.items():
-            if name in state["parts"]:
-                part.load_state_dict(state["parts"][name])
-            else:  # e.g. dynamic sampling switched on for the resumed run
+            if name in parts:
+                part.load_state_dict(parts[name])
+            elif name != "placement" or saved["world"] == have["world"]:  # e.g. dynamic sampling switched on
                 log.warning("checkpoint %s has no %r state; it starts fresh", folder, name)
         self.resumed_from = folder
         log.info("resumed from %s (step %d)", folder, meta["step"])
         return int(meta["step"])
+
+    def _resized_parts(self, folder: Path, old_world: int) -> dict:
+        """The per-rank states of a checkpoint saved on ``old_world`` ranks, dealt to this rank of
+        this job's world: the data shard continues every old shard's rows
+        (:func:`~yatt.controller.shard.resharded_state`); rank 0 takes the sum of the old ranks' row
+        counters; rank ``r`` takes old rank ``r``'s RNG states (a rank beyond the old world keeps
+        its fresh ones) and the other states of old rank ``min(r, old_world - 1)``; the placement
+        starts fresh (its split is the new world's)."""
+        from yatt.controller.shard import resharded_state
+
+        world = self.meta["world"]
+        old = [load_part(folder, "rank", f"{r:05d}") for r in range(old_world)]
+        if self.rank == 0:
+            per_rank = self.cfg.trainer.prompts_per_rank
+            log.warning("resume: checkpoint %s was saved on %d ranks and this job has %d (TP %d, PP %d as saved): "
+                        "the rows its data shards had left in their epoch are drawn first, then the new ranks' "
+                        "shards; the global batch is %d prompts per step (it was %d: set trainer.prompts_per_rank to "
+                        "keep it), and the sums over data-parallel ranks run in another order, so the run is not "
+                        "bit-equal to one that kept %d ranks", folder, old_world, world, self.meta["tp"],
+                        self.meta["pp"], per_rank * world, per_rank * old_world, old_world)
+        if self.rank < old_world:
+            set_rng_state(old[self.rank]["rng"])
+        parts = {k: v for k, v in old[min(self.rank, old_world - 1)]["parts"].items() if k != "placement"}
+        if "shard" in self.parts:
+            parts["shard"] = resharded_state([o["parts"]["shard"] for o in old], self.rank, world,
+                                             self.parts["shard"].seed)
+        if "data_stats" in self.parts:
+            parts["data_stats"] = _summed_stats([o["parts"]["data_stats"] for o in old]) if self.rank == 0 else {}
+        return parts
 
     def _load_policy(self, folder: Path) -> None:
         """Load the actor's (and the critic's) model, optimizer and LR schedule from ``folder``."""
@@ -237,6 +277,25 @@ def _model_state(model) -> tuple[dict, dict]:
     """(model shard state dict, ``{"optimizer", "scheduler"}`` states) of a trained model."""
     return model.model_state_dict(), {"optimizer": model.optimizer.state_dict(),
                                        "scheduler": model.scheduler.state_dict()}
+
+
+def _summed_stats(states: list[dict]) -> dict:
+    """Row counters of several ranks (:class:`StatsPart` states) added up: ints summed, dicts of
+    ints summed per key; per-file counters of the running epoch left out (judged afresh)."""
+    out: dict = {}
+    for state in states:
+        for k, v in state.items():
+            if isinstance(v, bool) or k == "files":
+                continue
+            if isinstance(v, int):
+                out[k] = out.get(k, 0) + v
+            elif isinstance(v, dict):
+                into = out.setdefault(k, {})
+                for key, n in v.items():
+                    into[key] = into.get(key, 0) + n
+            elif isinstance(v, set):
+                out[k] = out.get(k, set()) | v
+    return out
 
 
 @dataclasses.dataclass
