@@ -51,19 +51,29 @@ def _steps(out: Path) -> list[int]:
     return [r["step"] for r in _records(out) if "reward_mean" in r]
 
 
-def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, tiny_policy):
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_policy) -> tuple[Path, tuple[str, ...]]:
+    """(the folder, the arguments) of the uninterrupted 4-step PPO run that the resume tests
+    compare with (every checkpoint kept)."""
     args = (f"model.path={tiny_policy}", "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true",
-            "algo.kl_in_reward=0.05", "algo.kl_target=0.01", "algo.kl_horizon=4")  # + the KL coefficient's state
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+            "algo.kl_in_reward=0.05", "algo.kl_target=0.01", "algo.kl_horizon=4",  # + the KL coefficient's state
+            "checkpoint.keep_last=4")
+    ref = tmp_path_factory.mktemp("reference") / "ref"
+    assert wait_job(launch_job(ref, *args)) == 0, (ref.parent / "ref.log").read_text()[-4000:]
+    return ref, args
+
+
+def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, reference_run):
+    ref, args = reference_run
+    run = tmp_path / "run"
     # python -m yatt.launch restarted itself with what yatt.preload found installed (rank 0's line)
-    runtime = next(line for line in (tmp_path / "ref.log").read_text().splitlines() if "memory allocator: " in line)
+    runtime = next(line for line in (ref.parent / "ref.log").read_text().splitlines() if "memory allocator: " in line)
     found = runtime_libraries()
     assert ("tcmalloc (" in runtime) == any("tcmalloc" in lib for lib in found), (runtime, found)
     assert ("Intel (libiomp5" in runtime) == any("iomp5" in lib for lib in found), (runtime, found)
     ckpts = ref / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
-    # no stale weights: consecutive checkpoints differ (retention kept steps 3 and 4)
+    # no stale weights: consecutive checkpoints differ
     for role in ("tp0_pp0", "critic_tp0_pp0"):  # the policy's and the critic's
         w3, w4 = (torch.load(ckpts / f"step_00000{s}" / "model" / f"{role}.pt", weights_only=False) for s in (3, 4))
         assert any(not torch.equal(w3[k], w4[k]) for k in w3), role
@@ -174,14 +184,12 @@ def _kill_after_step_2_and_resume_to(tmp_path: Path, args: tuple[str, ...], refe
     assert _records(run) == reference
 
 
-def test_a_run_resumes_on_fewer_and_on_more_ranks(tmp_path, tiny_policy):
-    """A 4-step run under ``mpirun -np 2`` (the reference, every checkpoint kept), then its step-2
-    checkpoint resumed under ``-np 1`` and under ``-np 3`` (same TP and PP): each trains steps 3
-    and 4 with finite metrics and says that the layout changed and what that means
-    (``tests/test_data.py`` shows that the data shards draw no row twice and leave none out)."""
-    args = (f"model.path={tiny_policy}", "checkpoint.keep_last=4")
-    ref = tmp_path / "ref"
-    assert wait_job(launch_job(ref, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+def test_a_run_resumes_on_fewer_and_on_more_ranks(tmp_path, reference_run):
+    """The reference run's (``mpirun -np 2``) step-2 checkpoint resumed under ``-np 1`` and under
+    ``-np 3`` (same TP and PP; policy, critic and KL coefficient): each trains steps 3 and 4 with
+    finite metrics and says that the layout changed and what that means (``tests/test_data.py``
+    shows that the data shards draw no row twice and leave none out)."""
+    ref, args = reference_run
     for ranks in (1, 3):
         run = tmp_path / f"np{ranks}"
         (run / "checkpoints").mkdir(parents=True)
@@ -195,5 +203,5 @@ def test_a_run_resumes_on_fewer_and_on_more_ranks(tmp_path, tiny_policy):
         assert f"the global batch is {ranks} prompts per step (it was 2" in out.stderr
         train = [r for r in _records(run) if "reward_mean" in r]
         assert [r["step"] for r in train] == [3, 4]
-        assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["reward_mean"]) for r in train)
+        assert all(math.isfinite(r[k]) for r in train for k in ("grad_norm", "reward_mean", "critic_grad_norm"))
         assert (run / "checkpoints" / "step_000004" / "rank" / f"{ranks - 1:05d}.pt").is_file()
