@@ -3,7 +3,7 @@
 The reference is PEFT's LoRA on the transformers model, given the same adapters through
 :func:`yatt.trainer.lora.peft_state` (what the exporter writes): logprobs and the grad norm of one
 step must match it, the engines' merged weights must give the same logprobs, and only the adapters
-may move. tests/mpi/lora_tp.py (helpers here) checks the same at TP=2.
+may move. tests/mpi/lora_tp.py (helpers here) checks the same at TP=2 and PP=2.
 """
 from __future__ import annotations
 
@@ -92,10 +92,10 @@ def test_lora_config_is_checked():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_lora_at_tp2_matches_peft(shared_job):
-    """tests/mpi/lora_tp.py in conftest's shared 2-rank job (~15 s of it, 2026-12-06)."""
+def test_lora_at_tp2_and_pp2_matches_peft(shared_job):
+    """tests/mpi/lora_tp.py in conftest's shared 2-rank job (~7 s of it, 2026-12-06)."""
     out = shared_job("ranks_2")
-    assert out.count("] lora tp=2 OK in ") == 2, out[-3000:]
+    assert out.count("] lora tp=2 OK in ") == 2 and out.count("] lora pp=2 OK in ") == 2, out[-3000:]
 
 
 def test_lora_on_a_bf16_base_trains_the_adapters_alone(world1, tmp_path):

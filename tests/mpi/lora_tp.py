@@ -1,4 +1,4 @@
-"""LoRA on the Megatron trainer at TP=2 against PEFT on transformers (fp32, tiny random Qwen2 with
+"""LoRA on the Megatron trainer at TP=2 and at PP=2 against PEFT on transformers (fp32, tiny random Qwen2 with
 4 heads / 2 KV heads, QKV bias, untied), and the PEFT reference that tests/test_lora.py uses.
 
     mpirun -np 2 python tests/mpi/lora_tp.py
@@ -7,7 +7,7 @@ On both ranks: each adapter's split matrix is laid out as its layer's weight (``
 linear_qkv / linear_fc1, ``lora_A`` of linear_proj / linear_fc2), the other replicated and equal on
 both; the adapters are TP-independent (``A`` gathered = the TP=1 draw); logprobs, the grad norm
 of one step and the merged weights of the sync agree with PEFT holding the gathered adapters; the
-base weights do not move. Asserts; exits non-zero on failure.
+base weights do not move. Then the same at PP=2 (tied embeddings). Asserts; exits non-zero on failure.
 """
 from __future__ import annotations
 
@@ -139,7 +139,27 @@ def check_tp2(rank: int) -> None:
     check_against_peft(policy, path, spec, shards)
 
 
+def check_pp2(rank: int) -> None:
+    """PP=2 (one layer per stage, tied embeddings: the last stage's frozen copy of the embedding):
+    the same checks against PEFT, with both stages' adapters gathered."""
+    import torch.distributed as dist
+
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+    from yatt.trainer.lora import LoraSpec
+
+    path = ref.tiny_model_dir(rank, "lora_pp", vocab_size=100, num_hidden_layers=2, tied=True)
+    spec = LoraSpec(rank=4, alpha=8.0, seed=5)
+    policy = MegatronPolicy(path, pp=2, optim=OptimConfig(lr=1e-2, total_steps=2), lora=spec)
+    randomise_b(policy, seed=6 + rank)
+    stages = [None, None]
+    dist.all_gather_object(stages, adapter_shard(policy))
+    assert not stages[0].keys() & stages[1].keys()  # each stage holds its own layer's adapters
+    check_against_peft(policy, path, spec, [{**stages[0], **stages[1]}])
+
+
 def main() -> int:
+    from megatron.core import parallel_state
+
     from yatt.dist import init_distributed
 
     info = init_distributed(threads=1)
@@ -147,6 +167,10 @@ def main() -> int:
     t0 = time.time()
     check_tp2(info.rank)
     print(f"[rank {info.rank}] lora tp=2 OK in {time.time() - t0:.1f}s", flush=True)
+    parallel_state.destroy_model_parallel()
+    t0 = time.time()
+    check_pp2(info.rank)
+    print(f"[rank {info.rank}] lora pp=2 OK in {time.time() - t0:.1f}s", flush=True)
     return 0
 
 
