@@ -1062,3 +1062,24 @@ def test_resume_from_a_damaged_only_checkpoint_stops_before_training(tmp_path):
             again.resume()
     finally:
         again.triggers.close()
+
+
+@pytest.mark.parametrize("dtype,lora", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_optimizer_state_is_named_by_parameter(world1, tmp_path, dtype, lora):
+    """A checkpoint's optimizer file names the parameter behind every optimizer state index (bf16:
+    the fp32 main copies under their model parameter's name), so a resume can match them by name."""
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+    from yatt.trainer.lora import LoraSpec
+
+    ref.save_tiny_hf(tmp_path, "qwen2", vocab_size=100, tied=False)
+    policy = MegatronPolicy(tmp_path, optim=OptimConfig(lr=1e-2, total_steps=2), dtype=getattr(torch, dtype),
+                            lora=LoraSpec(rank=2) if lora else None)
+    policy.train_step(ref.padded_micro_batches([[6, 10]], 100, seed=2), ref.sum_logprob_loss)
+    (groups,) = policy.optimizer_param_names()
+    names = [n for g in groups for n in g]
+    trained = {n: p for n, p in policy.module.named_parameters() if p.requires_grad}
+    assert sorted(names) == sorted(trained) and len(set(names)) == len(names)
+    state = policy.optimizer.state_dict()
+    inner = state.get("optimizer", state)
+    for k, name in enumerate(names):  # each index's moments have its parameter's shape
+        assert inner["state"][k]["exp_avg"].shape == trained[name].shape, name

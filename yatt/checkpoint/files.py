@@ -5,7 +5,7 @@ Layout under a checkpoint root (``checkpoint.dir``, default ``<output_dir>/check
     step_000012/            a complete checkpoint (never written in place)
       meta.json             step, format, world/TP/PP/DP sizes, dtype, base model folder, run config
       model/tp{t}_pp{p}.pt  GPTModel.state_dict() of TP rank t, pipeline stage p (torch.save)
-      optim/tp{t}_pp{p}.pt  {"optimizer": ..., "scheduler": ...} of that model shard
+      optim/tp{t}_pp{p}.pt  {"optimizer", "scheduler", "param_names"} of that model shard (the names of the optimizer state's parameters)
       model/critic_tp{t}_pp{p}.pt, optim/critic_tp{t}_pp{p}.pt   the critic's, when PPO trains one
       rank/{rank:05d}.pt    this rank's RNG states, controller-shard position and counters
     step_000013.tmp/        being written: ignored by resume and export, removed at start

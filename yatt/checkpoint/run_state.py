@@ -274,9 +274,12 @@ class RunCheckpoints:
 
 
 def _model_state(model) -> tuple[dict, dict]:
-    """(model shard state dict, ``{"optimizer", "scheduler"}`` states) of a trained model."""
+    """(model shard state dict, ``{"optimizer", "scheduler", "param_names"}``) of a trained model:
+    ``param_names`` names the parameter behind each optimizer state index
+    (:meth:`~yatt.trainer.actor.MegatronPolicy.optimizer_param_names`)."""
     return model.model_state_dict(), {"optimizer": model.optimizer.state_dict(),
-                                       "scheduler": model.scheduler.state_dict()}
+                                       "scheduler": model.scheduler.state_dict(),
+                                       "param_names": model.optimizer_param_names()}
 
 
 def _summed_stats(states: list[dict]) -> dict:

@@ -590,6 +590,27 @@ class MegatronPolicy:
         return iter(self._syncs[bucket_bytes])
 
     # ---- checkpoint state ----------------------------------------------------------------
+    def optimizer_param_names(self) -> list[list[list[str]]]:
+        """The name (in this shard's GPTModel, stage-local) of every parameter the optimizer state
+        refers to, in its order: per optimizer of a chained one, per param group, per index
+        (a bf16 model's fp32 main parameters under the names of the parameters they copy). Saved
+        beside the optimizer state so that it can be matched to parameters by name, not position.
+
+        Raises:
+            RuntimeError: the policy is frozen (no optimizer).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("optimizer_param_names of a frozen MegatronPolicy (optim=None)")
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out = []
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            main_of = {id(main): model for models, mains in zip(getattr(opt, "float16_groups", []),
+                                                                 getattr(opt, "fp32_from_float16_groups", []))
+                       for model, main in zip(models, mains)}
+            out.append([[names[id(main_of.get(id(p), p))] for p in group["params"]]
+                        for group in opt.optimizer.param_groups])
+        return out
+
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This shard's checkpointed model state: the GPTModel's ``state_dict()``, or with LoRA
         only the trained tensors (adapters, a critic's value head); the frozen base comes from
