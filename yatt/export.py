@@ -99,6 +99,26 @@ def _load_shard(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.endswith("_extra_state")}
 
 
+def _stage_shards(step_dir: Path, meta: dict, role: str, stage: int) -> list[dict[str, torch.Tensor]]:
+    """The ``role``'s shard state dicts of pipeline stage ``stage``, TP rank 0..tp-1 (memory-mapped).
+
+    Raises:
+        FileNotFoundError: a shard file is missing.
+        ValueError: the TP ranks hold different names, or a tensor's dtype is not the checkpoint dtype.
+    """
+    dtype = DTYPES[meta["dtype"]]
+    paths = [step_dir / "model" / f"{files.role_key(role, f'tp{t}_pp{stage}')}.pt" for t in range(meta["tp"])]
+    shards = [_load_shard(f) for f in paths]
+    for f, s in zip(paths, shards, strict=True):
+        if s.keys() != shards[0].keys():
+            diff = sorted(s.keys() ^ shards[0].keys())
+            raise ValueError(f"{f} and {paths[0]} hold different parameters: {diff[:5]}")
+        for local, t in s.items():
+            if t.dtype != dtype:
+                raise ValueError(f"{f}: {local} is {t.dtype}, meta.json says {meta['dtype']}")
+    return shards
+
+
 def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict, role: str = "actor") -> dict[str, torch.Tensor]:
     """Merge the model shards of a step directory into full HF tensors.
 
@@ -122,19 +142,12 @@ def hf_state_dict(step_dir: Path, meta: dict, hf_config: dict, role: str = "acto
         KeyError: a name the mapping does not know.
         NotImplementedError: a model type or feature :func:`layout_from_hf` cannot map.
     """
-    tp, pp, dtype = meta["tp"], meta["pp"], DTYPES[meta["dtype"]]
+    tp, pp = meta["tp"], meta["pp"]
     layout = layout_from_hf(hf_config, tp)
     out: dict[str, torch.Tensor] = {}
     for stage in range(pp):
-        paths = [step_dir / "model" / f"{files.role_key(role, f'tp{t}_pp{stage}')}.pt" for t in range(tp)]
-        shards = [_load_shard(f) for f in paths]
-        for f, s in zip(paths[1:], shards[1:], strict=True):
-            if s.keys() != shards[0].keys():
-                diff = sorted(s.keys() ^ shards[0].keys())
-                raise ValueError(f"{f} and {paths[0]} hold different parameters: {diff[:5]}")
+        shards = _stage_shards(step_dir, meta, role, stage)
         for local, t0 in shards[0].items():
-            if t0.dtype != dtype:
-                raise ValueError(f"{paths[0]}: {local} is {t0.dtype}, meta.json says {meta['dtype']}")
             name = global_param_name(local, layout, pp, stage)
             if role == "critic" and name == "output_layer.weight":  # the value head, the same on every TP rank
                 out["score.weight"] = t0.clone(memory_format=torch.contiguous_format)
@@ -168,27 +181,25 @@ def lora_state(step_dir: Path, meta: dict, hf_config: dict, role: str = "actor")
 
     Raises:
         FileNotFoundError / ValueError: as :func:`hf_state_dict` (a missing shard, another dtype,
-            ranks holding different adapters).
+            ranks holding different names), or a tensor that is neither an adapter nor a value head.
     """
     from yatt.trainer.lora import peft_state
 
-    tp, pp, dtype = meta["tp"], meta["pp"], DTYPES[meta["dtype"]]
+    tp, pp = meta["tp"], meta["pp"]
     layout = layout_from_hf(hf_config, tp)
     by_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     extra = {}
     for stage in range(pp):
-        for t in range(tp):
-            path = step_dir / "model" / f"{files.role_key(role, f'tp{t}_pp{stage}')}.pt"
-            for local, tensor in _load_shard(path).items():
-                if tensor.dtype != dtype:
-                    raise ValueError(f"{path}: {local} is {tensor.dtype}, meta.json says {meta['dtype']}")
-                name = global_param_name(local, layout, pp, stage)
-                if role == "critic" and name == "output_layer.weight":
-                    extra["score.weight"] = tensor.clone(memory_format=torch.contiguous_format)
-                elif name.endswith((".lora_A", ".lora_B")):
-                    by_rank[t][name] = tensor
-                else:
-                    raise ValueError(f"{path}: {local} is neither an adapter nor a value head")
+        shards = _stage_shards(step_dir, meta, role, stage)
+        for local, t0 in shards[0].items():
+            name = global_param_name(local, layout, pp, stage)
+            if role == "critic" and name == "output_layer.weight":  # the value head, the same on every TP rank
+                extra["score.weight"] = t0.clone(memory_format=torch.contiguous_format)
+            elif name.endswith((".lora_A", ".lora_B")):
+                for t, s in enumerate(shards):
+                    by_rank[t][name] = s[local]
+            else:
+                raise ValueError(f"checkpoint {step_dir} stage {stage}: {local} is neither an adapter nor a value head")
     return peft_state(by_rank, layout), extra
 
 
