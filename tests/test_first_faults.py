@@ -122,27 +122,39 @@ def test_a_rerun_after_a_run_stopped_before_its_first_checkpoint_says_so(tmp_pat
 
 
 def test_a_checkpoint_of_another_layout_is_refused_before_any_model_loads(tmp_path):
-    """A checkpoint saved with another TP or PP (or another world size under rollout_apart), or
-    with LoRA where the job trains whole (and back), is refused up front, naming ``resume`` (or
-    ``trainer.lora``) and both layouts; another world size with the same TP and PP is resumed."""
+    """A checkpoint that cannot resume into the job's layout is refused up front, naming ``resume``
+    (or ``trainer.lora``) and both layouts: another world size under rollout_apart, another TP or
+    PP for LoRA adapters or for optimizer states without names, LoRA where the job trains whole
+    (and back). Another world size, TP or PP is resumed otherwise (tests/test_resume.py)."""
     import json
 
+    import torch
+
     step = tmp_path / "checkpoints" / "step_000002"
-    step.mkdir(parents=True)
+    (step / "optim").mkdir(parents=True)
     meta = {"world": 2, "tp": 1, "pp": 1, "lora": {"actor": None}, "config": {"stage": "rl"}}
     (step / "meta.json").write_text(json.dumps(meta))
     (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
+    torch.save({"optimizer": {}, "scheduler": {}, "param_names": [[]]}, step / "optim" / "tp0_pp0.pt")
     cfg = load_config(RECIPE, [f"output_dir={tmp_path}"])
     _check_resume_layout(cfg, 2)  # the same layout
-    _check_resume_layout(cfg, 3)  # another world size: resumed (tests/test_resume.py)
-    with pytest.raises(ConfigError, match=r"config key 'resume': checkpoint .*step_000002 was saved with world size 2, "
-                                          r"TP 1, PP 1; this job has world size 2, TP 2, PP 1.*trainer.tp=1 trainer.pp=1"):
-        _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "trainer.tp=2"]), 2)
+    _check_resume_layout(cfg, 3)  # another world size: resumed
+    tp2 = load_config(RECIPE, [f"output_dir={tmp_path}", "trainer.tp=2"])
+    _check_resume_layout(tp2, 2)  # another TP: resharded
     with pytest.raises(ConfigError, match=r"rollout_apart .* \(mpirun -np 2\)"):
         _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "placement.mode=rollout_apart"]), 3)
     with pytest.raises(ConfigError, match=r"config key 'trainer.lora': .* holds a policy trained whole"):
         _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "trainer.lora={}"]), 2)
     _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "resume=none", "overwrite=true", "trainer.tp=2"]), 1)
+    torch.save({"optimizer": {}, "scheduler": {}}, step / "optim" / "tp0_pp0.pt")  # written before param_names
+    with pytest.raises(ConfigError, match=r"config key 'resume': checkpoint .*step_000002 was saved with world size 2, "
+                                          r"TP 1, PP 1; this job has world size 2, TP 2, PP 1. It was written before "
+                                          r".*trainer.tp=1 trainer.pp=1"):
+        _check_resume_layout(tp2, 2)
+    _check_resume_layout(cfg, 3)  # its own TP and PP: resumed
+    (step / "meta.json").write_text(json.dumps(meta | {"lora": {"actor": {"rank": 8}}}))
+    with pytest.raises(ConfigError, match=r"config key 'resume': .* LoRA adapters resume only with the TP and PP"):
+        _check_resume_layout(load_config(RECIPE, [f"output_dir={tmp_path}", "trainer.tp=2", "trainer.lora={}"]), 2)
 
 
 def test_bad_paths_stop_an_mpi_job_before_any_model_loads(tmp_path):

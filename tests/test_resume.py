@@ -184,23 +184,27 @@ def _kill_after_step_2_and_resume_to(tmp_path: Path, args: tuple[str, ...], refe
     assert _records(run) == reference
 
 
-def test_a_run_resumes_on_fewer_and_on_more_ranks(tmp_path, reference_run):
-    """The reference run's (``mpirun -np 2``) step-2 checkpoint resumed under ``-np 1`` and under
-    ``-np 3`` (same TP and PP; policy, critic and KL coefficient): each trains steps 3 and 4 with
-    finite metrics and says that the layout changed and what that means (``tests/test_data.py``
-    shows that the data shards draw no row twice and leave none out)."""
+def test_a_run_resumes_on_fewer_and_on_more_ranks_and_on_another_tp_and_pp(tmp_path, reference_run):
+    """The reference run's (``mpirun -np 2``, TP 1, PP 1) step-2 checkpoint resumed under ``-np 1``,
+    and under ``-np 4`` with TP 2 and PP 2 (policy, critic and KL coefficient; the model and
+    optimizer shards rebuilt from the saved ones): each trains steps 3 and 4 with finite metrics
+    and says that the layout changed and what that means (``tests/test_data.py`` shows that the
+    data shards draw no row twice and leave none out; ``tests/test_relayout.py`` that resharded
+    states are the saved ones)."""
     ref, args = reference_run
-    for ranks in (1, 3):
+    for ranks, tp, pp in ((1, 1, 1), (4, 2, 2)):
         run = tmp_path / f"np{ranks}"
         (run / "checkpoints").mkdir(parents=True)
         shutil.copytree(ref / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
         (run / "checkpoints" / "latest").write_text("step_000002\n")
         out = subprocess.run([str(MPIRUN), "-np", str(ranks), sys.executable, "-m", "yatt.launch", "--config",
-                              DEMO_RECIPE, *DEMO_ARGS, *args, f"output_dir={run}"],
+                              DEMO_RECIPE, *DEMO_ARGS, *args, f"trainer.tp={tp}", f"trainer.pp={pp}", f"output_dir={run}"],
                              cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-4000:]
-        assert f"was saved on 2 ranks and this job has {ranks} (TP 1, PP 1 as saved)" in out.stderr, out.stderr[-3000:]
+        assert f"was saved on 2 ranks and this job has {ranks} (TP {tp}, PP {pp})" in out.stderr, out.stderr[-3000:]
         assert f"the global batch is {ranks} prompts per step (it was 2" in out.stderr
+        relaid = f"was saved with TP 1, PP 1 and this job has TP {tp}, PP {pp}: each rank rebuilds its model"
+        assert (relaid in out.stderr) == (tp * pp > 1), out.stderr[-3000:]
         train = [r for r in _records(run) if "reward_mean" in r]
         assert [r["step"] for r in train] == [3, 4]
         assert all(math.isfinite(r[k]) for r in train for k in ("grad_norm", "reward_mean", "critic_grad_norm"))

@@ -68,11 +68,12 @@ def _check_output_dir(cfg) -> None:
 
 
 def _check_resume_layout(cfg, world: int) -> None:
-    """Refuse, before any model loads, a checkpoint to resume that was saved with another TP or PP
-    (or, with ``placement.mode=rollout_apart``, another world size), or with LoRA adapters where
-    this job trains whole (and back). The checkpoint
-    is the one ``resume`` names, or for ``auto`` the newest complete one;
-    :meth:`~yatt.checkpoint.run_state.RunCheckpoints.resume` checks again the one it loads."""
+    """Refuse, before any model loads, a checkpoint to resume that cannot resume into this job's
+    layout: with ``placement.mode=rollout_apart`` another world size; another TP or PP for LoRA
+    adapters or for a checkpoint whose optimizer states are not named (``param_names``, written
+    since 2026-12-06); LoRA adapters where this job trains whole (and back). The checkpoint is the
+    one ``resume`` names, or for ``auto`` the newest complete one;
+    :meth:`~yatt.checkpoint.run_state.RunCheckpoints.resume` loads it (resharded for another TP or PP)."""
     from yatt.checkpoint.files import checkpoint_root, find_latest, read_meta, resolve
 
     if cfg.resume == "none" or cfg.overwrite:
@@ -86,23 +87,39 @@ def _check_resume_layout(cfg, world: int) -> None:
         return
     saved = {k: meta.get(k) for k in ("world", "tp", "pp")}
     layout = f"world size {saved['world']}, TP {saved['tp']}, PP {saved['pp']}"
+    this = f"this job has world size {world}, TP {cfg.trainer.tp}, PP {cfg.trainer.pp}"
+    keep = f"run with trainer.tp={saved['tp']} trainer.pp={saved['pp']}, or start a new run (resume=none, or another output_dir)"
+    lora = meta.get("lora") or {}
     if (saved["tp"], saved["pp"]) != (cfg.trainer.tp, cfg.trainer.pp):
-        raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout}; this job has world size "
-                          f"{world}, TP {cfg.trainer.tp}, PP {cfg.trainer.pp}. A checkpoint resumes on any world size "
-                          f"with the TP and PP it was saved with (resharding TP or PP at resume is not implemented "
-                          f"yet): run with trainer.tp={saved['tp']} trainer.pp={saved['pp']}, or start a new run "
-                          "(resume=none, or another output_dir)")
+        if any(v is not None for v in lora.values()):
+            raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout}; {this}. LoRA "
+                              f"adapters resume only with the TP and PP they were saved with: {keep}")
+        if not _names_optimizer_states(folder):
+            raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout}; {this}. It was "
+                              f"written before checkpoints named their optimizer states, which resharding at resume "
+                              f"needs: {keep}")
     saved_mode = (meta.get("config") or {}).get("placement", {}).get("mode")
     if saved["world"] != world and "rollout_apart" in (saved_mode, cfg.placement.mode):
         raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout} and this job has world "
                           f"size {world}; placement.mode=rollout_apart keeps in-flight rollouts on its sampler ranks, "
                           f"so it resumes on the world size it was saved with (mpirun -np {saved['world']})")
-    lora = (meta.get("lora") or {}).get("actor") is not None
-    if "config" in meta and meta["config"].get("stage") == cfg.stage != "rm" and lora != (cfg.trainer.lora is not None):
-        what = "LoRA adapters" if lora else "a policy trained whole"
+    actor_lora = lora.get("actor") is not None
+    if "config" in meta and meta["config"].get("stage") == cfg.stage != "rm" and actor_lora != (cfg.trainer.lora is not None):
+        what = "LoRA adapters" if actor_lora else "a policy trained whole"
         raise ConfigError(f"config key 'trainer.lora': checkpoint {folder} holds {what}, and this job "
-                          f"{'trains whole' if lora else 'trains LoRA adapters'}; set trainer.lora as the run was "
+                          f"{'trains whole' if actor_lora else 'trains LoRA adapters'}; set trainer.lora as the run was "
                           "started, or start a new run (resume=none, or another output_dir)")
+
+
+def _names_optimizer_states(folder) -> bool:
+    """Whether checkpoint ``folder``'s optimizer files name their states (``param_names``): the
+    first one found is read (memory-mapped) and tells for all. True when it has none (nothing to reshard)."""
+    import torch
+
+    files = sorted((Path(folder) / "optim").glob("*.pt"))
+    if not files:
+        return True
+    return "param_names" in torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
 
 
 def _lock_output_dir(cfg, info):

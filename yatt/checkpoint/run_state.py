@@ -8,10 +8,11 @@ bad-row counters, the stability guard's history, the dynamic sampler's counter a
 placement's split search. Rollout seeds are derived from (seed, step, rank, round), so they
 need no state. The frozen reference model is not saved: it is rebuilt from the base model.
 
-A checkpoint also resumes on another number of ranks with the same TP and PP (another DP
-size; :meth:`RunCheckpoints.resume`): the model and optimizer files are per TP x PP shard and
-load as they are, the data shards continue through
-:func:`~yatt.controller.shard.resharded_state`, and the per-rank states are dealt to the new ranks.
+A checkpoint also resumes on another number of ranks (another DP size; :meth:`RunCheckpoints.resume`):
+the data shards continue through :func:`~yatt.controller.shard.resharded_state` and the per-rank
+states are dealt to the new ranks. With the same TP and PP the model and optimizer files (per TP x
+PP shard) load as they are; with another TP or PP each rank rebuilds its shards from them
+(:mod:`yatt.checkpoint.relayout`).
 """
 from __future__ import annotations
 
@@ -121,10 +122,12 @@ class RunCheckpoints:
     def resume(self) -> int:
         """Load the checkpoint ``cfg.resume`` names (collective); returns its step (0: fresh start).
 
-        A checkpoint of another world size (same TP and PP) resumes through :meth:`_resized_parts`.
+        A checkpoint of another world size resumes through :meth:`_resized_parts`, one of another TP
+        or PP through :mod:`yatt.checkpoint.relayout`.
 
         Raises:
-            ValueError: the checkpoint was saved with another TP or PP.
+            ValueError: the checkpoint was saved with another TP or PP and has no ``param_names``.
+            NotImplementedError: another TP or PP with LoRA adapters.
             CheckpointDamaged: it does not verify (on every rank; rank 0 checked it).
         """
         folder = error = None
@@ -144,8 +147,11 @@ class RunCheckpoints:
         meta = files.read_meta(folder)
         have = {k: self.meta[k] for k in ("world", "tp", "pp")}
         saved = {k: meta.get(k) for k in have}
-        if {k: saved[k] for k in ("tp", "pp")} != {k: have[k] for k in ("tp", "pp")}:
-            raise ValueError(f"config key 'resume': checkpoint {folder} was saved with {saved}, this job has {have}")
+        if (saved["tp"], saved["pp"]) != (have["tp"], have["pp"]) and self.rank == 0:
+            log.warning("resume: checkpoint %s was saved with TP %d, PP %d and this job has TP %d, PP %d: each rank "
+                        "rebuilds its model and optimizer shards from the saved ones (the same values); matmuls and "
+                        "reductions over TP ranks now sum in another order, so the run is not bit-equal to one that "
+                        "kept the layout", folder, saved["tp"], saved["pp"], have["tp"], have["pp"])
         self._load_policy(folder)
         if saved["world"] == have["world"]:
             state = load_part(folder, "rank", f"{self.rank:05d}")
@@ -175,7 +181,7 @@ class RunCheckpoints:
         old = [load_part(folder, "rank", f"{r:05d}") for r in range(old_world)]
         if self.rank == 0:
             per_rank = self.cfg.trainer.prompts_per_rank
-            log.warning("resume: checkpoint %s was saved on %d ranks and this job has %d (TP %d, PP %d as saved): "
+            log.warning("resume: checkpoint %s was saved on %d ranks and this job has %d (TP %d, PP %d): "
                         "the rows its data shards had left in their epoch are drawn first, then the new ranks' "
                         "shards; the global batch is %d prompts per step (it was %d: set trainer.prompts_per_rank to "
                         "keep it), and the sums over data-parallel ranks run in another order, so the run is not "
@@ -192,13 +198,18 @@ class RunCheckpoints:
         return parts
 
     def _load_policy(self, folder: Path) -> None:
-        """Load the actor's (and the critic's) model, optimizer and LR schedule from ``folder``."""
+        """Load the actor's (and the critic's) model, optimizer and LR schedule from ``folder``;
+        saved with another TP or PP, this rank's shards are rebuilt (:mod:`yatt.checkpoint.relayout`)."""
+        meta = files.read_meta(folder)
         for role, model in (("actor", self.actor), ("critic", self.critic)):
             if model is None:
                 continue
-            key = files.role_key(role, self.load_key)
-            model.load_model_state_dict(load_part(folder, "model", key), f"checkpoint {folder} ({role})")
-            optim = load_part(folder, "optim", key)
+            if (meta.get("tp"), meta.get("pp")) == (self.meta["tp"], self.meta["pp"]):
+                key = files.role_key(role, self.load_key)
+                state, optim = load_part(folder, "model", key), load_part(folder, "optim", key)
+            else:
+                state, optim = _relaid(folder, role, model, meta["tp"], meta["pp"])
+            model.load_model_state_dict(state, f"checkpoint {folder} ({role})")
             model.optimizer.load_state_dict(optim["optimizer"])
             model.scheduler.num_steps = 0  # Megatron's load_state_dict steps forward by the saved count
             model.scheduler.load_state_dict(optim["scheduler"])
@@ -271,6 +282,16 @@ class RunCheckpoints:
         self.rollbacks += 1
         log.warning("guard: rolled the policy back to %s", folder)
         return True
+
+
+def _relaid(folder: Path, role: str, model, tp: int, pp: int) -> tuple[dict, dict]:
+    """``model``'s shards of ``role`` from checkpoint ``folder`` saved with ``tp`` and ``pp``."""
+    from megatron.core import parallel_state as mpu
+
+    from yatt.checkpoint.relayout import SavedShards, relaid_states
+
+    saved = SavedShards(folder, role, dataclasses.replace(model.layout, tp=tp), pp, model.head)
+    return relaid_states(saved, model, mpu.get_tensor_model_parallel_rank())
 
 
 def _model_state(model) -> tuple[dict, dict]:

@@ -182,9 +182,66 @@ def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, r: i
     return _rows(grouped, r, layout.tp).reshape(-1, *tail).contiguous()
 
 
+def megatron_names(layout: Layout) -> Iterator[str]:
+    """Every GPTModel parameter's Megatron name (global layer indices), in :func:`hf_to_megatron`'s
+    order; ``output_layer.weight`` only for untied embeddings."""
+    yield "embedding.word_embeddings.weight"
+    for i in range(layout.num_layers):
+        mc = f"decoder.layers.{i}."
+        yield mc + "input_layernorm.weight"
+        yield mc + "self_attention.linear_qkv.weight"
+        if layout.qkv_bias:
+            yield mc + "self_attention.linear_qkv.bias"
+        yield from (mc + s for s in ("self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+                                     "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"))
+    yield "decoder.final_layernorm.weight"
+    if not layout.tied_embeddings:
+        yield "output_layer.weight"
+
+
+def megatron_param(name: str, hf_state: Mapping[str, torch.Tensor], layout: Layout, tp_rank: int) -> torch.Tensor:
+    """This TP rank's shard of one Megatron parameter (global layer index, no ``module.``
+    prefix), from full HF tensors: the inverse of :func:`megatron_to_hf`. ``output_layer.weight``
+    of tied embeddings (the last pipeline stage's copy) is the embedding's shard.
+
+    Args:
+        name: Megatron parameter name, e.g. ``decoder.layers.3.mlp.linear_fc1.weight``.
+        hf_state: HF name -> full tensor (only the names this parameter needs are read).
+        layout: shapes, see :func:`layout_from_hf`.
+        tp_rank: 0 <= tp_rank < layout.tp.
+    Returns:
+        A contiguous tensor in the HF dtype, shaped as in the module docstring.
+    Raises:
+        KeyError: unknown parameter name, or a needed HF tensor is missing.
+    """
+    r, tp = tp_rank, layout.tp
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        src = "lm_head.weight" if name == "output_layer.weight" and not layout.tied_embeddings else "model.embed_tokens.weight"
+        return _rows(_pad_vocab(hf_state[src], layout), r, tp).contiguous()
+    if name == "decoder.final_layernorm.weight":
+        return hf_state["model.norm.weight"]
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        raise KeyError(f"no HF name for Megatron parameter {name!r}")
+    hf, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+    if suffix in _SIMPLE:
+        full = hf_state[hf + _SIMPLE[suffix]]
+        dim = tp_shard_dim(name)
+        return full if dim is None else full.chunk(tp, dim)[r].contiguous()
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = (hf_state[f"{hf}self_attn.{p}_proj.{kind}"] for p in "qkv")
+        return _qkv(q, k, v, layout, r)
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]
+        return torch.cat([_rows(gate, r, tp), _rows(up, r, tp)])
+    raise KeyError(f"no HF name for Megatron parameter {name!r}")
+
+
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], layout: Layout, tp_rank: int
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Megatron name, this TP rank's shard) for every GPTModel parameter.
+    """Yield (Megatron name, this TP rank's shard) for every GPTModel parameter
+    (:func:`megatron_names`, :func:`megatron_param`).
 
     Args:
         hf_state: HF name -> full tensor (lazily read mappings are fine: each name is read once).
@@ -195,24 +252,8 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], layout: Layout, tp_rank
     Raises:
         KeyError: a needed HF tensor is missing.
     """
-    r, tp = tp_rank, layout.tp
-    embed = _pad_vocab(hf_state["model.embed_tokens.weight"], layout)
-    yield "embedding.word_embeddings.weight", _rows(embed, r, tp).contiguous()
-    for i in range(layout.num_layers):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = hf + "self_attn."
-        yield mc + "input_layernorm.weight", hf_state[hf + "input_layernorm.weight"]
-        for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
-            q, k, v = (hf_state[f"{attn}{p}_proj.{kind}"] for p in "qkv")
-            yield f"{mc}self_attention.linear_qkv.{kind}", _qkv(q, k, v, layout, r)
-        yield mc + "self_attention.linear_proj.weight", hf_state[attn + "o_proj.weight"].chunk(tp, 1)[r].contiguous()
-        yield mc + "pre_mlp_layernorm.weight", hf_state[hf + "post_attention_layernorm.weight"]
-        gate, up = hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]
-        yield mc + "mlp.linear_fc1.weight", torch.cat([_rows(gate, r, tp), _rows(up, r, tp)])
-        yield mc + "mlp.linear_fc2.weight", hf_state[hf + "mlp.down_proj.weight"].chunk(tp, 1)[r].contiguous()
-    yield "decoder.final_layernorm.weight", hf_state["model.norm.weight"]
-    if not layout.tied_embeddings:
-        yield "output_layer.weight", _rows(_pad_vocab(hf_state["lm_head.weight"], layout), r, tp).contiguous()
+    for name in megatron_names(layout):
+        yield name, megatron_param(name, hf_state, layout, tp_rank)
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -231,6 +272,29 @@ def tp_shard_dim(name: str) -> int | None:
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
     return 0
+
+
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_FROM_HF = {hf: mc for mc, hf in _SIMPLE.items()} | {
+    f"self_attn.{p}_proj.{kind}": f"self_attention.linear_qkv.{kind}" for p in "qkv" for kind in ("weight", "bias")} | {
+    "mlp.gate_proj.weight": "mlp.linear_fc1.weight", "mlp.up_proj.weight": "mlp.linear_fc1.weight"}
+_FROM_HF_TOP = {"model.embed_tokens.weight": "embedding.word_embeddings.weight", "lm_head.weight": "output_layer.weight",
+                "model.norm.weight": "decoder.final_layernorm.weight"}
+
+
+def megatron_name_of(hf_name: str) -> str:
+    """The Megatron parameter (global layer index) that :func:`megatron_to_hf` turns into HF
+    tensor ``hf_name`` (q, k and v come from one ``linear_qkv``, gate and up from one ``linear_fc1``).
+
+    Raises:
+        KeyError: ``hf_name`` is no tensor of the mapping.
+    """
+    if hf_name in _FROM_HF_TOP:
+        return _FROM_HF_TOP[hf_name]
+    m = _HF_LAYER.fullmatch(hf_name)
+    if m is None or m.group(2) not in _FROM_HF:
+        raise KeyError(f"no Megatron parameter for HF tensor {hf_name!r}")
+    return f"decoder.layers.{m.group(1)}.{_FROM_HF[m.group(2)]}"
 
 
 def megatron_to_hf(name: str, shards: list[torch.Tensor], layout: Layout) -> list[tuple[str, torch.Tensor]]:
