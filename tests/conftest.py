@@ -3,6 +3,7 @@ one demo-recipe run that several test files check (``demo_run``)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -134,6 +135,32 @@ def shared_job():
         return outputs[name]
 
     return get
+
+
+@dataclass(frozen=True)
+class HostedJob:
+    """A YATT job that ran in a :func:`run_jobs` host: its exit code and its log (every rank's
+    stdout and stderr, as ``mpirun`` merges them)."""
+
+    code: int
+    log: str
+
+
+def run_jobs(jobs: dict[str, tuple[str, list[str]]], folder: Path, ranks: int = 2,
+             timeout: int = 1200) -> dict[str, HostedJob]:
+    """Whole YATT jobs, ``name -> (recipe, overrides)``, one after another in one ``mpirun -np
+    ranks`` job (``tests/mpi/jobs_in_one.py``: the ~10 s of imports per rank paid once); their logs
+    go to ``folder/<name>.log``. Fails the test when the host itself fails (a job that raises
+    aborts it), with the output's tail; a job's own exit code is the caller's to check."""
+    listing = [{"name": n, "config": c, "overrides": o, "log": str(folder / f"{n}.log")} for n, (c, o) in jobs.items()]
+    (folder / "jobs.json").write_text(json.dumps(listing))
+    try:
+        run_mpi(["tests/mpi/jobs_in_one.py", folder / "jobs.json"], ranks, timeout=timeout)
+    except AssertionError as e:
+        logs = "".join(f"\n--- {n}.log\n{(folder / f'{n}.log').read_text()[-3000:]}" for n in jobs
+                       if (folder / f"{n}.log").exists())
+        raise AssertionError(f"{e}{logs}") from None
+    return {n: HostedJob(int((folder / f"{n}.log.code").read_text()), (folder / f"{n}.log").read_text()) for n in jobs}
 
 
 @pytest.fixture(scope="session")

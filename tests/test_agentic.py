@@ -1,12 +1,13 @@
 """Multi-turn episodes in whole jobs (``rollout.env``) under ``mpirun -np 2``, on a tiny random
 policy whose end-of-turn token is likely (its output row scaled up), so that turns end on their own
 and episodes run several turns: the trainer's logprobs over the whole multi-turn sequences equal
-the engine's on the model's tokens, the turn metrics are reported, and a run stopped by SIGTERM
-resumes to the same metrics."""
+the engine's on the model's tokens, the turn metrics are reported, and a run resumed from a
+checkpoint taken between steps goes on to the same metrics (SIGTERM's save and exit 75: test_resume
+and test_async_rl)."""
 from __future__ import annotations
 
 import json
-import signal
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from conftest import launch_job, trainer_tp, wait_job
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 _TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
 ARGS = ("rollout.env=tests.envs:Continue", "rollout.max_turns=3", "rollout.max_tokens=12", "rollout.max_model_len=512",
-        "trainer.total_steps=3", "algo.entropy_coef=0.01")
+        "trainer.total_steps=3", "algo.entropy_coef=0.01", "checkpoint.keep_last=3")
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,13 @@ def test_multi_turn_episodes_train_on_the_model_tokens_and_resume_exactly(tmp_pa
     assert train[0]["logprob_diff_rollout_vs_train"] < 1e-3
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 3]
 
-    # SIGTERM once step 1 is recorded: saved, exit 75; run again, it resumes to the same records
-    run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = launch_job(run, model, *ARGS)
-    assert wait_job(proc, until=lambda: log.exists() and "step    1 |" in log.read_text()) is None
-    proc.send_signal(signal.SIGTERM)
-    assert wait_job(proc) == 75, log.read_text()[-4000:]
-    assert wait_job(launch_job(run, model, *ARGS)) == 0, log.read_text()[-4000:]
+    # the reference's step-1 checkpoint (and its whole metrics.jsonl, which the resumed run must cut
+    # back to step 1) resumed in a new job: the same records at every later step, episodes and all
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref / "checkpoints" / "step_000001", run / "checkpoints" / "step_000001")
+    (run / "checkpoints" / "latest").write_text("step_000001\n")
+    shutil.copy(ref / "metrics.jsonl", run / "metrics.jsonl")
+    assert wait_job(launch_job(run, model, *ARGS)) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert "resumed from" in (tmp_path / "run.log").read_text()
     assert _records(run) == records

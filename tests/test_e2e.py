@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tensorboard_scalars, trainer_tp as ref
+from conftest import HostedJob, run_jobs, tensorboard_scalars, trainer_tp as ref
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -115,16 +115,37 @@ CRITIC = ["value_loss", "value_clip_frac", "values_mean", "returns_mean", "expla
           "critic_lr", "entropy_bonus"]
 
 
-@pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated", "rollout_apart"])
-def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy, tiny_judge, mode):
+GENRM_MODES = ["colocate", "partial_colocate", "disaggregated", "rollout_apart"]
+RM_MODES = ["colocate", "partial_colocate", "disaggregated"]
+
+
+@pytest.fixture(scope="module")
+def placement_runs(tmp_path_factory, tiny_policy, tiny_judge, tiny_rm) -> dict[str, tuple[Path, HostedJob]]:
+    """The GenRM recipe in each placement mode (``genrm_<mode>``) and a reward model as the only
+    source in each placement with a judge slot (``rm_<mode>``): seven whole jobs in one ``mpirun
+    -np 2`` (conftest's :func:`run_jobs`), each into its own folder. ``name -> (folder, job)``."""
+    root = tmp_path_factory.mktemp("placements")
+    jobs = {f"genrm_{mode}": ("configs/grpo_smollm2_genrm.yaml", [
+        *SHORT, f"placement.mode={mode}", f"output_dir={root / f'genrm_{mode}'}", "rollout.n=2",
+        f"model.path={tiny_policy}", f"reward.genrm.model={tiny_judge}", *ALGOS[mode]]) for mode in GENRM_MODES}
+    jobs |= {f"rm_{mode}": ("configs/grpo_smollm2.yaml", [
+        "trainer.total_steps=1", "trainer.prompts_per_rank=2", "data.eval_size=0", "rollout.n=2",
+        "rollout.max_tokens=16", "placement.keep_engines=never", f"placement.mode={mode}",
+        f"output_dir={root / f'rm_{mode}'}", f"model.path={tiny_policy}",
+        f"reward.sources=[{{name: rm, type: reward_model, model: '{tiny_rm}', batch_size: 3}}]"]) for mode in RM_MODES}
+    done = run_jobs(jobs, root)
+    for name, job in done.items():
+        assert job.code == 0, f"{name} exited {job.code}\n{job.log[-4000:]}"
+    return {name: (root / name, job) for name, job in done.items()}
+
+
+@pytest.mark.parametrize("mode", GENRM_MODES)
+def test_genrm_recipe_runs_in_each_placement_mode(placement_runs, mode):
     """These runs check the placements (where sampling, judging and training run, the streaming, the
     engine switches and the weight push), which need no real policy or judge: tiny random ones. The
     demo policy trains in the runs above; test_genrm checks the 0.5B judge itself (its P(yes) ranks
     right answers above wrong ones)."""
-    out = tmp_path / "run"
-    proc = mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2_genrm.yaml", *SHORT,
-                   f"placement.mode={mode}", f"output_dir={out}", "rollout.n=2", f"model.path={tiny_policy}",
-                   f"reward.genrm.model={tiny_judge}", *ALGOS[mode]], 2, timeout=900)
+    out, job = placement_runs[f"genrm_{mode}"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
@@ -165,29 +186,25 @@ def test_genrm_recipe_runs_in_each_placement_mode(mpirun, tmp_path, tiny_policy,
     if mode == "partial_colocate":  # kept from the start: the final eval releases them all first
         assert [r["engines_resident"] for r in train] == [1.0, 1.0]
     if mode == "colocate":  # auto: step 1 releases and measures, then the logged decision holds
-        resident = "placement: engines stay resident from the next step" in proc.stderr
-        assert resident or "placement: engines are released between phases" in proc.stderr, proc.stderr[-3000:]
+        resident = "placement: engines stay resident from the next step" in job.log
+        assert resident or "placement: engines are released between phases" in job.log, job.log[-3000:]
         assert [r["engines_resident"] for r in train] == [0.0, float(resident)]
     if mode == "colocate":  # the adaptive KL coefficient: step 1's KL is 0 (policy = reference), under target
         assert [r["kl_coef_current"] for r in train] == [pytest.approx(0.05), pytest.approx(0.05 * 0.8)]
     if mode in ("colocate", "rollout_apart"):  # rank 0 judges too (rollout_apart: the half its sampler left it)
-        assert "genrm: 100%" in proc.stderr, proc.stderr[-3000:]
+        assert "genrm: 100%" in job.log, job.log[-3000:]
     if apart:
         assert [r["staleness_max"] for r in train] == [0, 1]
         assert "time_rollout_s" in train[0] and train[1]["time_genrm_s"] > 0  # step 2: rank 0 judged its half
 
 
-@pytest.mark.parametrize("mode", ["colocate", "partial_colocate", "disaggregated"])
-def test_reward_model_source_runs_in_each_placement(mpirun, tmp_path, tiny_policy, tiny_rm, mode):
+@pytest.mark.parametrize("mode", RM_MODES)
+def test_reward_model_source_runs_in_each_placement(placement_runs, mode):
     """A discriminative reward model (tiny, random) as the only weighted source, on its vLLM
     pooling engine in the judge's slot: colocated (built after the rollout engine is released,
     released before training, on both ranks), and on the GenRM rank of each split placement
     (streamed to by the sampler in partial colocation), with a finite ``reward_rm_mean``."""
-    out = tmp_path / "run"
-    mpirun(["-m", "yatt.launch", "--config", "configs/grpo_smollm2.yaml", "trainer.total_steps=1",
-            "trainer.prompts_per_rank=2", "data.eval_size=0", "rollout.n=2", "rollout.max_tokens=16",
-            "placement.keep_engines=never", f"placement.mode={mode}", f"output_dir={out}", f"model.path={tiny_policy}",
-            f"reward.sources=[{{name: rm, type: reward_model, model: '{tiny_rm}', batch_size: 3}}]"], 2, timeout=600)
+    out, _ = placement_runs[f"rm_{mode}"]
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(record["reward_rm_mean"]) and record["reward_mean"] == record["reward_rm_mean"], record
     assert record["reward_rm_errors"] == 0 and "reward_rule_mean" in record and record["time_genrm_s"] > 0, record

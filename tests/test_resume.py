@@ -137,33 +137,35 @@ def test_sigterm_during_start_up_exits_for_requeue(tmp_path, tiny_policy):
     assert "Traceback" not in text and not list((run / "checkpoints").glob("step_*"))
 
 
-def test_a_killed_sft_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
-    """``stage: sft`` on the same machinery: a run SIGKILLed (every process) once step 2's checkpoint
-    is committed resumes (``resume=auto``) to the uninterrupted run's metrics at every step, the
-    evals included (the weights, Adam moments, LR schedule and data position all restored)."""
-    args = (f"model.path={tiny_policy}", "stage=sft")
+def test_an_sft_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
+    """``stage: sft`` on the same machinery: the run's step-2 checkpoint resumed (``resume=auto``,
+    in a new job) gives the uninterrupted run's metrics at every later step, the evals included
+    (the weights, Adam moments, LR schedule and data position all restored). A run killed during
+    a checkpoint's write resumes from the last committed one: the PPO test above."""
+    args = (f"model.path={tiny_policy}", "stage=sft", "checkpoint.keep_last=4")
     reference = _reference_run(tmp_path, args)
     sft = [r for r in reference if "sft_loss" in r]
     assert [r["step"] for r in sft] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in sft)
     assert sft[-1]["sft_loss"] < sft[0]["sft_loss"]  # it learns the targets
-    _kill_after_step_2_and_resume_to(tmp_path, args, reference)
+    _resume_step_2_to(tmp_path, args, reference)
 
 
-def test_a_killed_rm_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
-    """``stage: rm`` (the critic trained as a reward model on a pairs file): SIGKILLed once step 2's
-    checkpoint is committed, ``resume=auto`` gives the uninterrupted run's metrics at every step,
-    the held-out pair evals included (the critic's weights, Adam moments, LR schedule, data position)."""
+def test_an_rm_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
+    """``stage: rm`` (the critic trained as a reward model on a pairs file): the run's step-2
+    checkpoint resumed (``resume=auto``, in a new job) gives the uninterrupted run's metrics at
+    every later step, the held-out pair evals included (the critic's weights, Adam moments, LR
+    schedule, data position)."""
     pairs = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
               "answer": str(i + 1)} for i in range(8)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     args = (f"model.path={tiny_policy}", "stage=rm", "data.source=file", f"data.train_files=[{tmp_path / 'pairs.jsonl'}]",
             f"data.eval_files=[{tmp_path / 'pairs.jsonl'}]", "data.question_key=prompt", "data.answer_key=answer",
-            "trainer.prompts_per_rank=2", "trainer.lr=1e-3")
+            "trainer.prompts_per_rank=2", "trainer.lr=1e-3", "checkpoint.keep_last=4")
     reference = _reference_run(tmp_path, args)
     rm = [r for r in reference if "rm_loss" in r]
     assert [r["step"] for r in rm] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in rm)
     assert len({r["reward_margin"] for r in rm}) == 4  # the head moves every step
-    _kill_after_step_2_and_resume_to(tmp_path, args, reference)
+    _resume_step_2_to(tmp_path, args, reference)
 
 
 def _reference_run(tmp_path: Path, args: tuple[str, ...]) -> list[dict]:
@@ -172,13 +174,15 @@ def _reference_run(tmp_path: Path, args: tuple[str, ...]) -> list[dict]:
     return _records(tmp_path / "ref")
 
 
-def _kill_after_step_2_and_resume_to(tmp_path: Path, args: tuple[str, ...], reference: list[dict]) -> None:
-    """A run with ``args`` SIGKILLed (every process) once step 2's checkpoint is committed, then
-    ``resume=auto`` to the end: its metrics must be ``reference``'s at every step."""
+def _resume_step_2_to(tmp_path: Path, args: tuple[str, ...], reference: list[dict]) -> None:
+    """The reference run's (``tmp_path/ref``) step-2 checkpoint and its whole metrics.jsonl (steps
+    3 and 4 included: the resumed run must drop them) in a new folder, then ``resume=auto`` to the
+    end in a new job: its metrics must be ``reference``'s at every step."""
     run = tmp_path / "run"
-    proc = launch_job(run, *args)
-    assert wait_job(proc, until=lambda: (run / "checkpoints" / "step_000002").is_dir()) is None
-    kill_job(proc)
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "ref" / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
+    (run / "checkpoints" / "latest").write_text("step_000002\n")
+    shutil.copy(tmp_path / "ref" / "metrics.jsonl", run / "metrics.jsonl")
     assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert "resumed from" in (tmp_path / "run.log").read_text()
     assert _records(run) == reference

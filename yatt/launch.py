@@ -244,9 +244,12 @@ def _report(e: Exception) -> None:
         print("\n".join(f"yatt: {line}" for line in str(e).splitlines()), file=sys.stderr)
 
 
-def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
+def execute(cfg, require_launcher: bool = False, keep_process_group: bool = False) -> tuple[int, list[dict]]:
     """Run the job ``cfg`` describes on this rank (every rank calls it; ``mpirun``, ``srun``,
-    torchrun or one plain process; with ``require_launcher`` a plain process is refused).
+    torchrun or one plain process; with ``require_launcher`` a plain process is refused). With
+    ``keep_process_group`` torch.distributed's world group stays up when the job ends, so that
+    the same processes can run another job after it (vLLM's and Megatron-Core's groups refer to
+    it); the imports and the process start are then paid once for all of them.
 
     Returns:
         (exit code: 0 done, 2 config error (a bad path, a run folder locked by another job, a
@@ -264,12 +267,12 @@ def execute(cfg, require_launcher: bool = False) -> tuple[int, list[dict]]:
 
     catch_early(tuple(cfg.checkpoint.on_signals))  # a SIGTERM (Ctrl-C) while models load: exit 75 (130), not 15
     try:
-        return _execute(cfg, require_launcher)
+        return _execute(cfg, require_launcher, keep_process_group)
     finally:
         release_early()
 
 
-def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
+def _execute(cfg, require_launcher: bool, keep_process_group: bool) -> tuple[int, list[dict]]:
     """:func:`execute`'s body, run with the start-up signal latch installed."""
     from yatt.dist import LauncherError, discover
     from yatt.paths import check_job_paths
@@ -299,13 +302,17 @@ def _execute(cfg, require_launcher: bool) -> tuple[int, list[dict]]:
         _check_output_dir(cfg)
     except ConfigError as e:
         _report(e)
-        _end_process_group()
+        if not keep_process_group:
+            _end_process_group()
         return 2, []
     try:
-        return _run_locked(cfg, info)
+        code, records = _run_locked(cfg, info)
     finally:
         if lock is not None:
             lock.release()
+    if not keep_process_group:
+        _end_process_group()
+    return code, records
 
 
 def _end_process_group() -> None:
@@ -378,7 +385,6 @@ def _run_locked(cfg, info) -> tuple[int, list[dict]]:
         raise
     if watchdog is not None:
         watchdog.stop()  # before the process group (and rank 0's store) goes away
-    _end_process_group()
     return code, records if info.rank == 0 else []
 
 
