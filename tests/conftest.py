@@ -271,8 +271,9 @@ def demo_run(tmp_path_factory) -> DemoRun:
     warnings that need action (the run's metrics and files are those of ``python -m yatt.launch``)."""
     out = tmp_path_factory.mktemp("demo") / "ref"
     before = _mpich_segments()
-    code = wait_job(launch_job(out, "trainer.total_steps=2", "log.trackers=[tensorboard,wandb,mlflow]",
-                               "log.wandb.mode=offline", DEMO_EVAL_SET, script="tests/mpi/planted_warnings.py"))
+    code = wait_job(launch_job(out, "trainer.total_steps=2", "checkpoint.every_steps=0",  # the final save only
+                               "log.trackers=[tensorboard,wandb,mlflow]", "log.wandb.mode=offline", DEMO_EVAL_SET,
+                               script="tests/mpi/planted_warnings.py"))
     log = (out.parent / "ref.log").read_text()
     assert code == 0, log[-4000:]
     return DemoRun(out, log, _mpich_segments() - before)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import run_jobs
 from yatt.assets.data import SKIP_REASONS, PromptStream, _check, load_prompts
 from yatt.assets.model import SMOLLM2, resolve_model
 from yatt.config import DataConfig, SftConfig
@@ -221,27 +222,40 @@ BAD = ["not json", {"messages": [_turn("bot", "hi")], "answer": "1"}, {"messages
        {"messages": [_turn("user", 7)], "answer": "1"}]  # not_json, then three bad_messages
 
 
-def _job(mpirun, tmp_path, tiny_policy, recipe, train, evals, *extra) -> tuple[list[dict], str]:
-    """A one-rank job of ``recipe`` on the tiny policy with these train and eval rows: its records
-    and its log."""
-    out = tmp_path / "run"
-    proc = mpirun(["-m", "yatt.launch", "--config", recipe, f"model.path={tiny_policy}", "data.source=file",
-                   f"data.train_files=[{_write(tmp_path / 'train.jsonl', train)}]",
-                   f"data.eval_files=[{_write(tmp_path / 'eval.jsonl', evals)}]", "trainer.total_steps=2",
-                   "trainer.prompts_per_rank=3", "eval.max_tokens=4", "log.progress=false",
-                   "checkpoint.every_steps=0", f"output_dir={out}", *extra], 1, timeout=300)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stdout + proc.stderr
+TRAILING = {"messages": [_turn("user", "Calculate 1 + 1."), _turn("assistant", "2")], "answer": "2"}
+SFT_ROWS = [{**r, "messages": [*r["messages"], _turn("assistant", f"<answer>{r['answer']}</answer>")]} for r in GOOD]
+
+
+@pytest.fixture(scope="module")
+def chat_jobs(tmp_path_factory, tiny_policy) -> dict[str, tuple[list[dict], str]]:
+    """One-rank jobs on the tiny policy with chat train and eval rows, one after another in one
+    ``mpirun -np 1`` (conftest's :func:`run_jobs`): ``"rl"`` (GRPO) and ``"sft"``; ``name ->
+    (records, log)``."""
+    root = tmp_path_factory.mktemp("chat_jobs")
+    data = {"rl": ("configs/grpo_smollm2.yaml", GOOD + BAD + [TRAILING], GOOD + BAD[1:],
+                   ["rollout.n=2", "rollout.max_tokens=8"]),
+            "sft": ("configs/sft_smollm2.yaml", SFT_ROWS + BAD, SFT_ROWS, [])}
+    jobs = {name: (recipe, [f"model.path={tiny_policy}", "data.source=file",
+                            f"data.train_files=[{_write(root / f'{name}_train.jsonl', train)}]",
+                            f"data.eval_files=[{_write(root / f'{name}_eval.jsonl', evals)}]", "trainer.total_steps=2",
+                            "trainer.prompts_per_rank=3", "eval.max_tokens=4", "log.progress=false",
+                            "checkpoint.every_steps=0", f"output_dir={root / name}", *extra])
+            for name, (recipe, train, evals, extra) in data.items()}
+    out = {}
+    for name, job in run_jobs(jobs, root, ranks=1).items():
+        assert job.code == 0, f"{name} exited {job.code}\n{job.log[-4000:]}"
+        out[name] = ([json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()], job.log)
+    return out
 
 
 @pytest.mark.slow
-def test_rl_job_on_chat_rows_counts_the_bad_ones(mpirun, tmp_path, tiny_policy):
+@pytest.mark.mpi
+def test_rl_job_on_chat_rows_counts_the_bad_ones(chat_jobs):
     """Two GRPO steps on a chat jsonl: 6 prompts drawn from 4 good rows cross the epoch, so every
     bad row (one not JSON, three bad conversations, one that ends with an assistant turn) has
     been counted (and those of epoch 1 drawn so far); the eval split's bad conversations are
     counted by reason at start."""
-    trailing = {"messages": [_turn("user", "Calculate 1 + 1."), _turn("assistant", "2")], "answer": "2"}
-    records, log = _job(mpirun, tmp_path, tiny_policy, "configs/grpo_smollm2.yaml", GOOD + BAD + [trailing],
-                        GOOD + BAD[1:], "rollout.n=2", "rollout.max_tokens=8")
+    records, log = chat_jobs["rl"]
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["reward_mean"]) for r in train)
     assert 5 <= train[-1]["data_rows_skipped"] <= 10, train  # all of epoch 0's, and epoch 1's drawn so far
@@ -251,11 +265,11 @@ def test_rl_job_on_chat_rows_counts_the_bad_ones(mpirun, tmp_path, tiny_policy):
 
 
 @pytest.mark.slow
-def test_sft_job_learns_chat_targets_and_counts_the_bad_rows(mpirun, tmp_path, tiny_policy):
+@pytest.mark.mpi
+def test_sft_job_learns_chat_targets_and_counts_the_bad_rows(chat_jobs):
     """Two SFT steps on a chat jsonl whose rows end with the assistant turn to learn: the loss is
     finite and every bad row is counted; the held-out chat rows (with their final turns) are evaluated."""
-    rows = [{**r, "messages": [*r["messages"], _turn("assistant", f"<answer>{r['answer']}</answer>")]} for r in GOOD]
-    records, _ = _job(mpirun, tmp_path, tiny_policy, "configs/sft_smollm2.yaml", rows + BAD, rows)
+    records, _ = chat_jobs["sft"]
     train = [r for r in records if "sft_loss" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["sft_loss"]) and r["grad_norm"] > 0
                                                         for r in train)
