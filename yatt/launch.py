@@ -302,14 +302,13 @@ def _execute(cfg, require_launcher: bool, keep_process_group: bool) -> tuple[int
         _check_output_dir(cfg)
     except ConfigError as e:
         _report(e)
-        if not keep_process_group:
-            _end_process_group()
-        return 2, []
-    try:
-        code, records = _run_locked(cfg, info)
-    finally:
-        if lock is not None:
-            lock.release()
+        code, records = 2, []
+    else:
+        try:
+            code, records = _run_locked(cfg, info)
+        finally:
+            if lock is not None:
+                lock.release()
     if not keep_process_group:
         _end_process_group()
     return code, records
