@@ -123,7 +123,8 @@ RM_MODES = ["colocate", "partial_colocate", "disaggregated"]
 def placement_runs(tmp_path_factory, tiny_policy, tiny_judge, tiny_rm) -> dict[str, tuple[Path, HostedJob]]:
     """The GenRM recipe in each placement mode (``genrm_<mode>``) and a reward model as the only
     source in each placement with a judge slot (``rm_<mode>``): seven whole jobs in one ``mpirun
-    -np 2`` (conftest's :func:`run_jobs`), each into its own folder. ``name -> (folder, job)``."""
+    -np 2`` (conftest's :func:`run_jobs`), each into its own folder. ``name -> (folder, job)``; each
+    test checks its own job's exit code."""
     root = tmp_path_factory.mktemp("placements")
     jobs = {f"genrm_{mode}": ("configs/grpo_smollm2_genrm.yaml", [
         *SHORT, f"placement.mode={mode}", f"output_dir={root / f'genrm_{mode}'}", "rollout.n=2",
@@ -133,10 +134,7 @@ def placement_runs(tmp_path_factory, tiny_policy, tiny_judge, tiny_rm) -> dict[s
         "rollout.max_tokens=16", "placement.keep_engines=never", f"placement.mode={mode}",
         f"output_dir={root / f'rm_{mode}'}", f"model.path={tiny_policy}",
         f"reward.sources=[{{name: rm, type: reward_model, model: '{tiny_rm}', batch_size: 3}}]"]) for mode in RM_MODES}
-    done = run_jobs(jobs, root)
-    for name, job in done.items():
-        assert job.code == 0, f"{name} exited {job.code}\n{job.log[-4000:]}"
-    return {name: (root / name, job) for name, job in done.items()}
+    return {name: (root / name, job) for name, job in run_jobs(jobs, root).items()}
 
 
 @pytest.mark.parametrize("mode", GENRM_MODES)
@@ -146,6 +144,7 @@ def test_genrm_recipe_runs_in_each_placement_mode(placement_runs, mode):
     demo policy trains in the runs above; test_genrm checks the 0.5B judge itself (its P(yes) ranks
     right answers above wrong ones)."""
     out, job = placement_runs[f"genrm_{mode}"]
+    assert job.code == 0, job.log[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
@@ -204,7 +203,8 @@ def test_reward_model_source_runs_in_each_placement(placement_runs, mode):
     pooling engine in the judge's slot: colocated (built after the rollout engine is released,
     released before training, on both ranks), and on the GenRM rank of each split placement
     (streamed to by the sampler in partial colocation), with a finite ``reward_rm_mean``."""
-    out, _ = placement_runs[f"rm_{mode}"]
+    out, job = placement_runs[f"rm_{mode}"]
+    assert job.code == 0, job.log[-4000:]
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(record["reward_rm_mean"]) and record["reward_mean"] == record["reward_rm_mean"], record
     assert record["reward_rm_errors"] == 0 and "reward_rule_mean" in record and record["time_genrm_s"] > 0, record
