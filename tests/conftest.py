@@ -110,7 +110,7 @@ def mpirun():
 SHARED_JOBS = {
     "ranks_2": (2, ["sync_onpolicy", "push_apart", "reshard_sync:tp", "reshard_sync:pp", "rollout_dp",
                     "trainer_tp:dp", "dp_balance:train", "genrm_dp", "estimator_contract", "zero_signal",
-                    "checkpoint_memory", "lora_tp"]),
+                    "checkpoint_memory", "lora_tp", "rollout_tp:2"]),
     "ranks_3": (3, ["trainer_tp:tp", "trainer_tp:subgroup"]),
     "ranks_4": (4, ["data_memory", "dp_balance"]),
 }

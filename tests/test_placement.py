@@ -241,14 +241,14 @@ def test_colocated_engines_are_released_or_kept(keep, expected):
         def generate(self, prompts, spec):
             return [[] for _ in prompts]
 
-        def update_weights(self, weights):
+        def update_weights(self, weights, shards=False):
             list(weights)
 
     cfg = SimpleNamespace(placement=SimpleNamespace(mode="colocate", genrm_ranks=1, rollout_ranks=1, auto_repeats=1, keep_engines=keep),
-                          trainer=SimpleNamespace(sync_bucket_mb=1), seed=0)
+                          trainer=SimpleNamespace(sync_bucket_mb=1), rollout=SimpleNamespace(tp=1), seed=0)
     scorer = SimpleNamespace(uses_judge=True, make_judge=lambda seed: SimpleNamespace(engine=Engine("judge"), seed=0),
                              judge_groups=lambda judge, groups: None)
-    actor = SimpleNamespace(export_hf_weights=lambda bucket: iter([]))
+    actor = SimpleNamespace(export_hf_weights=lambda bucket, shard: iter([]))
     placement = Placement(cfg, 0, 1, build_rollout=lambda: Engine("rollout"), scorer=scorer, decode=str, gpu=False)
     placement.start()
     for _ in range(2):

@@ -176,6 +176,12 @@ def _check_model_parallel(cfg, world: int) -> None:
     if world % (t.tp * t.pp):
         raise ConfigError(f"config keys 'trainer.tp', 'trainer.pp': TP*PP={t.tp * t.pp} must divide the "
                           f"world size ({world})")
+    k = cfg.rollout.tp
+    sizes = {} if hf is None else {n: hf.get(n) for n in ("num_attention_heads", "num_key_value_heads",
+                                                           "intermediate_size")}
+    if world % k or any(v is not None and v % k for v in sizes.values()):
+        raise ConfigError(f"config key 'rollout.tp': {k} ranks per rollout engine must divide the world size "
+                          f"({world}) and the policy's " + ", ".join(f"{n} ({v})" for n, v in sizes.items()))
 
 
 def _check_estimator(cfg) -> None:

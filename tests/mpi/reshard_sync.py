@@ -79,7 +79,7 @@ def main(mode: str) -> None:
         bad = [n for n in synced if not torch.equal(synced[n], reference[n])]
         assert not bad, f"step {step}: synced tensors differ from the live parameters: {bad[:5]}"
         if step == 2:  # the same through torch.distributed instead of MPI (launchers without MPI)
-            sync = actor._syncs[BUCKET_BYTES]
+            sync = actor._syncs[BUCKET_BYTES, 1, 0]
             transports = sync.tp_mpi, sync.pp_mpi
             assert any(c is not None for c in transports), "expected MPI transports under mpirun"
             sync.tp_mpi = sync.pp_mpi = None

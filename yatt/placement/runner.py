@@ -389,9 +389,11 @@ class Placement:
 
     def _push(self, actor) -> None:
         bucket = int(self.cfg.trainer.sync_bucket_mb * (1 << 20))
-        weights = actor.export_hf_weights(bucket)  # collective over TP: every trainer consumes it
+        # rollout TP k: each rank's own shard of the engine (TP rank r % k), written from the trainer layout
+        shard = (self.cfg.rollout.tp, self.rank % self.cfg.rollout.tp)
+        weights = actor.export_hf_weights(bucket, shard=shard)  # collective over TP: every trainer consumes it
         if self.rollout.awake:
-            self.rollout.engine.update_weights(weights)
+            self.rollout.engine.update_weights(weights, shards=True)
         else:
             for _ in weights:
                 pass

@@ -95,7 +95,7 @@ def run_episodes(engine, make_env, rows: list, spec: SamplingSpec, tokenizer, li
     episodes = [[_start(row, make_env, tokenizer, limits) for _ in range(spec.n)] for row in rows]
     flat = [e for group in episodes for e in group]
     turn = 0
-    while active := [e for e in flat if e.end is None]:
+    while _turn_left(engine, active := [e for e in flat if e.end is None]):
         turn += 1
         seed = spec.seed if spec.seed is None or turn == 1 else spec.seed + turn * _TURN_SEED_STRIDE
         step = SamplingSpec(n=1, max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=seed)
@@ -108,6 +108,13 @@ def run_episodes(engine, make_env, rows: list, spec: SamplingSpec, tokenizer, li
         for (e, text), result in zip(stepping, results):
             _reply(e, text, result, tokenizer, limits)
     return [[e.completion() for e in group] for group in episodes]
+
+
+def _turn_left(engine, active: list) -> bool:
+    """Another turn: this rank has active episodes, or (rollout TP) another rank of its engine has,
+    and then this one takes the turn with none (the engine's ranks call it together)."""
+    group = getattr(engine, "group", None)
+    return group.any(bool(active)) if group is not None else bool(active)
 
 
 def _start(row, make_env, tokenizer, limits: Limits) -> Episode:

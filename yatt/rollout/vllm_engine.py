@@ -36,10 +36,12 @@ import torch.distributed as dist
 
 from yatt import logs
 from yatt.preload import release_free_heap
+from yatt.rollout.tp_group import EngineGroup, load_shards_on_worker
 
 _SEED_STRIDE = 1_000_003  # per-DP-rank offset of request seeds
 CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on CPU: the prefix cache's unit of sharing
 _CALLS = itertools.count()  # unique request-id prefix per streamed call
+_BUILDS = itertools.count()  # engines built by this process (collective: the same count on each rank)
 
 
 @dataclass
@@ -168,6 +170,23 @@ def _local_memory_probe():
         ExecutorWithExternalLauncher.determine_available_memory = original
 
 
+@contextlib.contextmanager
+def _job_shm_names(ident: str):
+    """vLLM's CPU TP all-reduce names its shared-memory segments after the port of the init
+    method, and under the external launcher there is none (``env://``): every engine on a host
+    used the same names, so a second job, or the next one after a killed one (its segments
+    stay in /dev/shm), failed with "create shm in SHMManager failed. errno: 17". Prefix them
+    with ``ident`` (the same on the engine's ranks, unique on the host)."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    original = _CPUSHMDistributed.make_group_name
+    _CPUSHMDistributed.make_group_name = staticmethod(lambda c: f"yatt-{ident}-{original(c).rsplit('/', 1)[-1]}")
+    try:
+        yield
+    finally:
+        _CPUSHMDistributed.make_group_name = original
+
+
 def join_engine_groups(model_path) -> None:
     """On a rank that builds no engine while others build theirs (collective, at the same point):
     create the process groups that building an engine of ``model_path`` creates (vLLM's world and
@@ -281,14 +300,19 @@ def _eager_on_cpu():
 class VLLMEngine:
     """This rank's vLLM engine (TP group of ``tp`` ranks; ranks ``r // tp`` are independent replicas).
 
+    With ``tp > 1`` every call is collective over the engine's ranks (:mod:`yatt.rollout.tp_group`):
+    each rank passes its own prompts and gets its own results, as with ``tp = 1``, while the
+    engine serves the whole group's requests at once, with the settings (SamplingSpec, deadline)
+    of the group's first rank.
+
     Args:
         model_path: HF folder (config, tokenizer, safetensors).
         tp: tensor-parallel size; must divide the torch.distributed world size.
         max_model_len: max prompt + response tokens per sequence.
         kv_cache_memory_bytes: KV cache size on CPU (on GPU the size comes from
             ``gpu_memory_utilization``).
-        seed: engine seed; the private sampling stream is seeded with ``(seed, dp_rank)``,
-            ``dp_rank = rank // tp``.
+        seed: engine seed (with ``tp > 1``: the group's first rank's); the private sampling
+            stream is seeded with ``(seed, dp_rank)``, ``dp_rank = rank // tp``.
             vLLM reseeds the global Python/NumPy/torch RNGs while building; this constructor
             restores the caller's RNG states afterwards, and restores ``torch.set_num_threads``
             (which vLLM's CPU worker replaces by a no-op) and the thread count.
@@ -323,18 +347,17 @@ class VLLMEngine:
             kwargs.update(logprobs_mode=logprobs_mode, enable_prefix_caching=True)
         if max_num_seqs is not None:
             kwargs.update(max_num_seqs=max_num_seqs)
+        self.group = EngineGroup(tp)  # the ranks of this engine (ValueError: tp does not divide the world)
+        seed = self.group.first(seed)  # one engine: the same seed on each of its ranks
+        self._ident = f"{self.group.first(os.getpid())}.{next(_BUILDS)}"  # its shared memory's name
+        kwargs["seed"] = seed
         if dist.is_initialized():
-            world = dist.get_world_size()
-            if world % tp:
-                raise ValueError(f"tp={tp} does not divide world size {world}")
             missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                        if k not in os.environ]
             if missing:
                 raise RuntimeError(f"set {missing} before building the engine (yatt.dist.init_distributed)")
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=1)
-            self.dp_rank, self.dp_size = dist.get_rank() // tp, world // tp
-        elif tp > 1:
-            raise ValueError("tp > 1 needs torch.distributed initialised first")
+            self.dp_rank, self.dp_size = dist.get_rank() // tp, dist.get_world_size() // tp
         else:
             self.dp_rank, self.dp_size = 0, 1
         self.can_sleep = torch.cuda.is_available()  # vLLM's sleep mode exists on GPU only
@@ -354,7 +377,7 @@ class VLLMEngine:
         rng_states = _get_rng_states()
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            with _no_heap_wide_gc(), _local_memory_probe():
+            with _no_heap_wide_gc(), _local_memory_probe(), _job_shm_names(self._ident):
                 self._llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
@@ -383,13 +406,16 @@ class VLLMEngine:
                 outside the vocabulary, or invalid spec values (vLLM's validation).
             RuntimeError: vLLM finished a request for another reason (e.g. abort).
         """
+        requests, mine, spec = self.group.gather(list(zip(prompts, max_tokens or [spec.max_tokens] * len(prompts))),
+                                                 spec)
+        prompts = [p for p, _ in requests]
         self._check(prompts, self.max_model_len - 1)
-        params = self._sampling_params(spec, len(prompts), caps=max_tokens)
+        params = self._sampling_params(spec, len(prompts), caps=[c for _, c in requests])
         result = []
         for out in self._run(prompts, params):
             _check_finished(out)
             result.append(_completions(out, spec, top_logprobs=False))
-        return result
+        return result[mine]
 
     def generate_stream(self, prompts: list[list[int]], spec: SamplingSpec) -> Iterator[tuple[int, list[Completion]]]:
         """``generate``, yielding each prompt's group as soon as all its samples finished.
@@ -402,11 +428,13 @@ class VLLMEngine:
         Raises:
             as ``generate``.
         """
+        prompts, mine, spec = self.group.gather(prompts, spec)
         self._check(prompts, self.max_model_len - 1)
         params = self._sampling_params(spec, len(prompts), output_kind=_final_only())
         for i, out in self._stream(prompts, params, timeout_s=None):
             _check_finished(out)
-            yield i, _completions(out, spec, top_logprobs=False)
+            if mine.start <= i < mine.stop:  # the engine's other ranks yield the rest
+                yield i - mine.start, _completions(out, spec, top_logprobs=False)
 
     def generate_within(self, prompts: list[list[int]], spec: SamplingSpec, timeout_s: float, *,
                         top_logprobs: int = 0) -> list[list[Completion]]:
@@ -428,11 +456,12 @@ class VLLMEngine:
         Raises:
             ValueError: as ``generate``.
         """
+        prompts, mine, (spec, timeout_s) = self.group.gather(prompts, (spec, timeout_s))
         self._check(prompts, self.max_model_len - 1)
         params = self._sampling_params(spec, len(prompts), logprobs=top_logprobs, output_kind=_final_only())
         outs = dict(self._stream(prompts, params, timeout_s=timeout_s))
         result = []
-        for i in range(len(prompts)):
+        for i in range(mine.start, mine.stop):
             out = outs.get(i)
             if out is None or any(c.finish_reason not in ("stop", "length") for c in out.outputs):
                 result.append([Completion([], [], "timeout") for _ in range(spec.n)])
@@ -455,7 +484,7 @@ class VLLMEngine:
                     engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
                 deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
                 while pending and engine.has_unfinished_requests():
-                    if time.monotonic() >= deadline:
+                    if deadline < math.inf and self.group.any(time.monotonic() >= deadline):  # TP: all ranks at once
                         engine.abort_request(sorted(pending))
                         for rid in sorted(pending):
                             yield pending.pop(rid), None
@@ -483,11 +512,12 @@ class VLLMEngine:
         """
         from vllm import SamplingParams
 
+        sequences, mine, _ = self.group.gather(sequences)
         self._check(sequences, self.max_model_len - 1)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outs = self._run(sequences, [params] * len(sequences))
         return [[0.0] + [float(d[t].logprob) for t, d in zip(seq[1:], out.prompt_logprobs[1:])]
-                for seq, out in zip(sequences, outs)]
+                for seq, out in zip(sequences[mine], outs[mine])]
 
     def classify(self, sequences: list[list[int]]) -> list[list[float]]:
         """A pooling engine's class logits for each sequence (its last token's, before any
@@ -502,13 +532,14 @@ class VLLMEngine:
         """
         from vllm import PoolingParams
 
+        sequences, mine, _ = self.group.gather(sequences)
         self._check(sequences, self.max_model_len)
         outs = self._live().classify([{"prompt_token_ids": s} for s in sequences],
                                      pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
-        return [[float(x) for x in o.outputs.probs] for o in outs]
+        return [[float(x) for x in o.outputs.probs] for o in outs[mine]]
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], shards: bool = False) -> None:
         """Load new weights in place (no restart) and drop the prefix cache (collective over TP).
 
         Args:
@@ -517,12 +548,21 @@ class VLLMEngine:
                 Send whole vLLM modules: q/k/v of a layer together, gate/up together (the
                 full state dict is the safe choice); modules not sent keep their weights.
                 A tied ``lm_head.weight`` is ignored (it follows ``model.embed_tokens.weight``).
+            shards: the tensors are this rank's TP shards (:attr:`shard`: inference TP rank ``j``
+                of ``i`` in :mod:`yatt.reshard.plan`'s target layout, e.g. from
+                ``MegatronPolicy.export_hf_weights(..., shard=engine.shard)``), not full tensors.
         Raises:
-            KeyError / RuntimeError from vLLM's loader for unknown names or wrong shapes.
+            KeyError / RuntimeError / AssertionError from vLLM's loader for unknown names or wrong shapes.
         """
         llm = self._live()
-        llm.collective_rpc(_reload_on_worker, args=(iter(weights),))
+        load = load_shards_on_worker if shards and self.group.tp > 1 else _reload_on_worker
+        llm.collective_rpc(load, args=(iter(weights),))
         llm.reset_prefix_cache()
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(i, j)``: this rank's part of the engine, TP rank ``j`` of ``i`` (``(1, 0)``: all of it)."""
+        return self.group.tp, self.group.rank
 
     def sleep(self) -> None:
         """GPU only: release the engine's device memory (vLLM sleep level 1: weights offloaded to

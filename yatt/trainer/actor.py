@@ -352,7 +352,7 @@ class MegatronPolicy:
             # [tokens, vocab] logits is the step's largest tensor)
             self._model_kwargs = {"fp32_output": False}
         self.optimizer = self.scheduler = self.grad_sum = None
-        self._syncs: dict = {}  # bucket size -> BucketedSync (live parameter references, no copies)
+        self._syncs: dict = {}  # (bucket size, i, j) -> BucketedSync (live parameter references, no copies)
         if optim is None:
             self.model.requires_grad_(False)
             self.model.eval()
@@ -564,8 +564,12 @@ class MegatronPolicy:
         return stats
 
     # ---- export --------------------------------------------------------------------------
-    def export_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full tensor) for every weight, in the parameter dtype, on every rank.
+    def export_hf_weights(self, bucket_bytes: int = 512 << 20,
+                          shard: tuple[int, int] = (1, 0)) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) for every weight, in the parameter dtype, on every rank;
+        with ``shard = (i, j)``, each tensor's part on inference TP rank ``j`` of ``i`` instead
+        (:mod:`yatt.reshard.plan`'s target layout: a rollout engine of TP ``i``,
+        ``VLLMEngine.shard``).
 
         Bucketed (:class:`yatt.reshard.BucketedSync`): ``bucket_bytes`` of HF tensors are
         gathered over TP and resharded by the copy kernel at a time, so a consumer that loads
@@ -578,16 +582,17 @@ class MegatronPolicy:
 
         from yatt.reshard import BucketedSync  # not at module level: yatt.reshard imports yatt.trainer
 
-        if bucket_bytes not in self._syncs:  # compiled copy programs (shapes only) are reused
+        key = (bucket_bytes, *shard)
+        if key not in self._syncs:  # compiled copy programs (shapes only) are reused
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
             pp_group = parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None
             pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else [dist.get_rank()]
             merged = {global_param_name(name, self.layout, self.pp, self.stage): partial(merged_weight, layer)
                       for name, layer in adapted_layers(self.module)}
-            self._syncs[bucket_bytes] = BucketedSync(self.module, self.layout, tp_group=tp_group, pp=self.pp,
-                                                     stage=self.stage, pp_group=pp_group, pp_ranks=pp_ranks,
-                                                     bucket_bytes=bucket_bytes, merged=merged)
-        return iter(self._syncs[bucket_bytes])
+            self._syncs[key] = BucketedSync(self.module, self.layout, tp_group=tp_group, pp=self.pp,
+                                            stage=self.stage, pp_group=pp_group, pp_ranks=pp_ranks,
+                                            bucket_bytes=bucket_bytes, i=shard[0], j=shard[1], merged=merged)
+        return iter(self._syncs[key])
 
     # ---- checkpoint state ----------------------------------------------------------------
     def optimizer_param_names(self) -> list[list[list[str]]]:
