@@ -180,8 +180,9 @@ def _check_model_parallel(cfg, world: int) -> None:
     sizes = {} if hf is None else {n: hf.get(n) for n in ("num_attention_heads", "num_key_value_heads",
                                                            "intermediate_size")}
     if world % k or any(v is not None and v % k for v in sizes.values()):
+        model = ", ".join(f"{n} ({v})" for n, v in sizes.items())
         raise ConfigError(f"config key 'rollout.tp': {k} ranks per rollout engine must divide the world size "
-                          f"({world}) and the policy's " + ", ".join(f"{n} ({v})" for n, v in sizes.items()))
+                          f"({world})" + (f" and the policy's {model}" if model else ""))
 
 
 def _check_estimator(cfg) -> None:
