@@ -40,8 +40,8 @@ def evaluate(engine, rows, score_fn, tokenizer, max_tokens: int, *, k: int = 1, 
     generate = generate or make_generate(None, None)  # one response per prompt
 
     def answers(spec):
-        shared = getattr(engine, "group", None) is not None and engine.group.tp > 1  # its other ranks call too
-        outs = generate(engine, rows, spec) if rows or shared else []
+        # every rank with an engine calls it, also with no rows: with rollout TP its other ranks call too
+        outs = generate(engine, rows, spec) if engine is not None else []
         texts = [tokenizer.decode(answer_ids(c), skip_special_tokens=True) for group in outs for c in group]
         scores = score_fn([r for r in rows for _ in range(spec.n)], texts) if rows else []
         return outs, scores

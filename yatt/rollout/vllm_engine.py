@@ -348,8 +348,9 @@ class VLLMEngine:
         if max_num_seqs is not None:
             kwargs.update(max_num_seqs=max_num_seqs)
         self.group = EngineGroup(tp)  # the ranks of this engine (ValueError: tp does not divide the world)
-        seed = self.group.first(seed)  # one engine: the same seed on each of its ranks
-        self._ident = f"{self.group.first(os.getpid())}.{next(_BUILDS)}"  # its shared memory's name
+        # one engine: the same seed on each of its ranks, and its shared memory named after its first rank
+        seed, pid = self.group.first((seed, os.getpid()))
+        self._ident = f"{pid}.{next(_BUILDS)}"
         kwargs["seed"] = seed
         if dist.is_initialized():
             missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
