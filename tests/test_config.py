@@ -79,11 +79,12 @@ def test_cross_field_checks_name_the_key():
         load_config(RECIPE, ["trainer.prompts_per_rank=1", "rollout.n=2", "algo.mini_batches=4"])
     with pytest.raises(ConfigError, match="config key 'rollout.tp'"):
         load_config(RECIPE, ["rollout.tp=0"])
-    for refused in (["placement.mode=rollout_apart"], ["stage=sft"]):  # rollout TP: colocated RL, no judge, for now
+    for refused in (["placement.mode=rollout_apart"], ["stage=sft"]):  # rollout TP: colocated RL, for now
         with pytest.raises(ConfigError, match="rollout.tp: rollout TP > 1 runs the RL stage"):
             load_config(RECIPE, ["rollout.tp=2", *refused])
     with pytest.raises(ConfigError, match="rollout.tp: rollout TP > 1"):
-        load_config("configs/grpo_smollm2_genrm.yaml", ["rollout.tp=2"])
+        load_config("configs/grpo_smollm2_genrm.yaml", ["rollout.tp=2", "placement.mode=partial_colocate"])
+    assert load_config("configs/grpo_smollm2_genrm.yaml", ["rollout.tp=2"]).rollout.tp == 2  # its judge colocated
 
 
 def test_existing_run_is_not_overwritten_by_accident(tmp_path):
@@ -113,17 +114,20 @@ def test_tensor_parallel_size_must_split_the_heads(tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("trainer.pp=4", "config key 'trainer.pp': PP=4 must divide the number of layers (30)"),
     ("trainer.pp=3", "config keys 'trainer.tp', 'trainer.pp': TP*PP=3 must divide the world size (1)"),
-    ("rollout.tp=2", "config key 'rollout.tp': 2 ranks per rollout engine must divide the world size (1) and the "
-                     "policy's num_attention_heads (9), num_key_value_heads (3), intermediate_size (1536)"),
+    ("rollout.tp=2", "config key 'rollout.tp': the policy's engine: inference TP=2 must divide the model's heads (9), "
+                     "KV heads (3)"),
+    ("rollout.tp=2 model=qwen", "config key 'rollout.tp': 2 ranks per rollout engine must divide the world size (1)"),
 ])
 def test_model_parallel_sizes_must_split_the_model_and_the_world(tmp_path, override, message):
     import subprocess
     import sys
 
     from yatt.assets.model import SMOLLM2, resolve_model
+    from yatt.config import GenRMConfig
 
-    smol = resolve_model(SMOLLM2)  # 30 layers
-    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--standalone", "--config", RECIPE, f"model.path={smol}",
+    override, _, model = override.partition(" model=")  # SmolLM2: 30 layers, 9 heads; Qwen2.5-0.5B: 14 heads, 2 KV heads
+    path = resolve_model(GenRMConfig().model if model else SMOLLM2)
+    out = subprocess.run([sys.executable, "-m", "yatt.launch", "--standalone", "--config", RECIPE, f"model.path={path}",
                           override, f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert message in out.stderr, out.stderr[-2000:]

@@ -135,9 +135,10 @@ def placement_runs(tmp_path_factory, tiny_policy, tiny_judge, tiny_rm) -> dict[s
         "rollout.max_tokens=16", "placement.keep_engines=never", f"placement.mode={mode}",
         f"output_dir={root / f'rm_{mode}'}", f"model.path={tiny_policy}",
         f"reward.sources=[{{name: rm, type: reward_model, model: '{tiny_rm}', batch_size: 3}}]"]) for mode in RM_MODES}
-    jobs["rollout_tp"] = ("configs/grpo_smollm2.yaml", [  # one engine over both ranks, the trainer data parallel
+    jobs["rollout_tp"] = ("configs/grpo_smollm2.yaml", [  # one engine (and judge) over both ranks, the trainer DP
         *SHORT, "data.eval_size=7", "rollout.n=2", "rollout.tp=2", f"output_dir={root / 'rollout_tp'}",
-        f"model.path={tiny_policy}", f"reward.sources=[{{name: parity, type: function, path: '{PARITY}'}}]"])
+        f"model.path={tiny_policy}", f"reward.genrm.model={tiny_judge}",
+        f"reward.sources=[{{name: parity, type: function, path: '{PARITY}'}}, {{name: genrm, type: genrm, weight: 0.5}}]"])
     return {name: (root / name, job) for name, job in run_jobs(jobs, root).items()}
 
 
@@ -219,7 +220,8 @@ def test_reward_model_source_runs_in_each_placement(placement_runs, mode):
 def test_rollout_tensor_parallel_run_trains_on_the_engines_own_logprobs(placement_runs):
     """``rollout.tp=2``: both ranks serve one engine (their prompts share its calls, an uneven eval
     split of 7 prompts included) and each gets its own shard at every sync: the engine's logprobs
-    equal the trainer's at every step (1e-6 measured; one wrong shard or a rank's own seed gives ~1)."""
+    equal the trainer's at every step (1e-6 measured; one wrong shard or a rank's own seed gives ~1).
+    The GenRM judge runs colocated at TP 2 too, and judges every response."""
     out, job = placement_runs["rollout_tp"]
     assert job.code == 0, job.log[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -227,3 +229,4 @@ def test_rollout_tensor_parallel_run_trains_on_the_engines_own_logprobs(placemen
     assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
     for record in train:
         assert record["logprob_diff_rollout_vs_train"] < 1e-4 and record["grad_norm"] > 0, record
+        assert 0.0 < record["reward_genrm_mean"] < 1.0 and record["genrm_unparsable"] == 0, record

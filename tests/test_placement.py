@@ -246,7 +246,7 @@ def test_colocated_engines_are_released_or_kept(keep, expected):
 
     cfg = SimpleNamespace(placement=SimpleNamespace(mode="colocate", genrm_ranks=1, rollout_ranks=1, auto_repeats=1, keep_engines=keep),
                           trainer=SimpleNamespace(sync_bucket_mb=1), rollout=SimpleNamespace(tp=1), seed=0)
-    scorer = SimpleNamespace(uses_judge=True, make_judge=lambda seed: SimpleNamespace(engine=Engine("judge"), seed=0),
+    scorer = SimpleNamespace(uses_judge=True, make_judge=lambda seed, tp: SimpleNamespace(engine=Engine("judge"), seed=0),
                              judge_groups=lambda judge, groups: None)
     actor = SimpleNamespace(export_hf_weights=lambda bucket, shard: iter([]))
     placement = Placement(cfg, 0, 1, build_rollout=lambda: Engine("rollout"), scorer=scorer, decode=str, gpu=False)

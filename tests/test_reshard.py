@@ -105,6 +105,22 @@ def test_bf16_and_vocab_smaller_than_tp_padding():
     _check_model(cfg, _random_hf(cfg, torch.bfloat16), 4, 4)
 
 
+def test_an_inference_tp_that_does_not_split_the_model_is_refused_by_name():
+    from yatt.reshard.plan import check_inference_tp
+
+    layout = layout_from_hf(_config("llama", False), 1)  # 8 heads, 4 KV heads, MLP 96, vocab 203 -> 256
+    for i in (1, 2, 4):
+        check_inference_tp(layout, i)
+    with pytest.raises(ValueError, match=r"TP=3 must divide the model's heads \(8\), KV heads \(4\), padded vocabulary \(256\)$"):
+        check_inference_tp(layout, 3)
+    odd = layout_from_hf(_config("llama", False) | dict(num_attention_heads=6, num_key_value_heads=3,
+                                                        intermediate_size=48, vocab_size=100), 1)
+    with pytest.raises(ValueError, match=r"TP=3 must divide the model's padded vocabulary \(128\)$"):
+        check_inference_tp(odd, 3)  # heads, KV heads and MLP split; vLLM's padded vocabulary does not
+    with pytest.raises(ValueError, match="padded vocabulary"):
+        target_shape("model.embed_tokens.weight", (100, 64), odd, 3, 0)
+
+
 def _real(name: str):
     from yatt.assets.model import resolve_model
     from yatt.trainer.model import SafetensorsState, read_hf_config

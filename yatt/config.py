@@ -74,8 +74,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold")
     tp: int = Field(1, ge=1, description="ranks per rollout engine: k consecutive ranks serve one vLLM engine with "
                     "TP k (each holds 1/k of its weights; their prompts share its calls; the weight sync writes "
-                    "each its own shard). Must divide the world size and the policy's heads, KV heads and MLP size; "
-                    "placement.mode=colocate without a judge engine for now")
+                    "each its own shard; a judge engine runs at TP k on the same ranks). Must divide the world size and "
+                    "the policy's and the judge's heads, KV heads, MLP size and padded vocabulary; "
+                    "placement.mode=colocate for now")
     max_model_len: int = Field(512, gt=0, description="vLLM context length (prompt + response tokens)")
     kv_cache_memory_bytes: int = Field(256 << 20, gt=0, description="vLLM KV-cache size per engine, bytes")
     max_staleness: int = Field(0, ge=0,
@@ -659,9 +660,9 @@ class Config(_Section):
             raise ValueError(f"trainer.tp: placement.mode={p.mode} trains with trainer.tp=1 only")
         if p.mode in ("disaggregated", "rollout_apart") and self.trainer.pp != 1:
             raise ValueError(f"trainer.pp: placement.mode={p.mode} trains with trainer.pp=1 only")
-        if self.rollout.tp > 1 and (self.stage != "rl" or p.mode != "colocate" or self.reward.judge is not None):
-            raise ValueError("rollout.tp: rollout TP > 1 runs the RL stage with placement.mode=colocate and rewards "
-                             "without a judge engine (genrm, reward_model) for now; use rollout.tp=1")
+        if self.rollout.tp > 1 and (self.stage != "rl" or p.mode != "colocate"):
+            raise ValueError("rollout.tp: rollout TP > 1 runs the RL stage with placement.mode=colocate for now "
+                             "(its judge engine, if any, on the same ranks); use rollout.tp=1")
         if self.rollout.max_staleness and p.mode != "rollout_apart":
             raise ValueError(f"rollout.max_staleness: samplers run ahead of the trainers only with "
                              f"placement.mode=rollout_apart (got {p.mode})")

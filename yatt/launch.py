@@ -149,23 +149,31 @@ def _lock_output_dir(cfg, info):
     return lock
 
 
-def _check_model_parallel(cfg, world: int) -> None:
-    """trainer.tp must split the policy's heads and MLP (the trainer's own mapping check),
-    trainer.pp its layers, and trainer.tp * trainer.pp the world. The model is read from
-    config.json when it is on disk; a packaged model not yet materialised is checked when it loads."""
+def _hf_config(model: str) -> dict | None:
+    """``config.json`` of a model folder or of a packaged model already materialised; None when
+    it is not on disk yet (a packaged model is then checked when it loads)."""
     import json
 
     from yatt.assets.model import cache_root
+
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        folder = cache_root() / "models" / model
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_model_parallel(cfg, world: int) -> None:
+    """trainer.tp must split the policy's heads and MLP (the trainer's own mapping check),
+    trainer.pp its layers, and trainer.tp * trainer.pp the world; rollout.tp must split the
+    policy's and the judge's heads, MLP and padded vocabulary, and the world."""
+    from yatt.reshard.plan import check_inference_tp
     from yatt.trainer.hf_mapping import layout_from_hf, stage_layers
 
     t = cfg.trainer
-    folder = Path(cfg.model.path).expanduser()
-    if not folder.is_dir():
-        folder = cache_root() / "models" / cfg.model.path
-    try:
-        hf = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        hf = None
+    hf = _hf_config(cfg.model.path)
     for key, check in (("tp", lambda: layout_from_hf(hf, t.tp)),
                        ("pp", lambda: stage_layers(layout_from_hf(hf, t.tp), t.pp, 0))):
         try:
@@ -177,12 +185,22 @@ def _check_model_parallel(cfg, world: int) -> None:
         raise ConfigError(f"config keys 'trainer.tp', 'trainer.pp': TP*PP={t.tp * t.pp} must divide the "
                           f"world size ({world})")
     k = cfg.rollout.tp
-    sizes = {} if hf is None else {n: hf.get(n) for n in ("num_attention_heads", "num_key_value_heads",
-                                                           "intermediate_size")}
-    if world % k or any(v is not None and v % k for v in sizes.values()):
-        model = ", ".join(f"{n} ({v})" for n, v in sizes.items())
-        raise ConfigError(f"config key 'rollout.tp': {k} ranks per rollout engine must divide the world size "
-                          f"({world})" + (f" and the policy's {model}" if model else ""))
+    judge = None if k == 1 or cfg.reward.judge_model is None else _hf_config(cfg.reward.judge_model)
+    try:
+        for name, config in (("policy", hf), ("judge", judge)):
+            try:
+                layout = None if config is None else layout_from_hf(config)
+            except NotImplementedError:  # a judge YATT does not train: vLLM checks its own split
+                layout = None
+            try:
+                if layout is not None:
+                    check_inference_tp(layout, k)
+            except ValueError as e:
+                raise ValueError(f"the {name}'s engine: {e}") from None
+        if world % k:
+            raise ValueError(f"{k} ranks per rollout engine must divide the world size ({world})")
+    except ValueError as e:
+        raise ConfigError(f"config key 'rollout.tp': {e}") from None
 
 
 def _check_estimator(cfg) -> None:

@@ -9,7 +9,8 @@ one optimizer step the weight sync writes each engine rank's own TP shards
 (``export_hf_weights(shard=engine.shard)``, ``update_weights(shards=True)``) and the engine's
 logprobs of a fixed sequence equal the trainer's again and moved; (3) full tensors (``yatt.eval``
 loading a checkpoint) still load into the TP engine; (4) an expired deadline aborts on both
-ranks together (no rank waits for the other). Prints "rollout tp OK" per rank.
+ranks together (no rank waits for the other); (5) a reward model's pooling engine at TP 2 (a
+colocated judge) scores each rank's own items as transformers does. Prints "rollout tp OK" per rank.
 """
 from __future__ import annotations
 
@@ -88,7 +89,41 @@ def main(trainer_tp: str = "1") -> None:
 
     print(f"rank {rank}: trainer tp {t} diff {diff:.2e} sync_err {sync_err:.2e} moved {moved:.3f}", flush=True)
     engine.shutdown()
+    _check_reward_model(rank, [r.question for r in (every[:2] if rank == 0 else every[2:3])])
     print("rollout tp OK", flush=True)
+
+
+def _check_reward_model(rank: int, questions: list[str]) -> None:
+    """(5) A colocated judge at rollout TP 2: a reward model's pooling engine over both ranks
+    scores each rank's own items (2 here, 1 there) as transformers' model does."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForSequenceClassification
+
+    from yatt.reward.genrm import JudgeItem
+    from yatt.reward.reward_model import RewardModelScorer
+
+    from trainer_tp import save_tiny_reward_model
+
+    path = Path(tempfile.gettempdir()) / f"yatt_rollout_tp_rm_{os.environ.get('MASTER_PORT', '0')}"
+    if rank == 0:
+        save_tiny_reward_model(path)
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    dist.barrier()
+    rm = RewardModelScorer(str(path), batch_size=4, max_length=256, kv_cache_memory_bytes=32 << 20, tp=2)
+    items = [JudgeItem(q, f"<answer>{k}</answer>", "") for k, q in enumerate(questions)]
+    got = [r.score for r in rm.score(items)]
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [float(hf(torch.tensor([rm._ids(it)])).logits[0, 0]) for it in items]
+    rm.engine.shutdown()
+    assert len(got) == len(items) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
+    print(f"rank {rank}: reward model at TP 2 scores {got} (transformers {want})", flush=True)
 
 
 if __name__ == "__main__":

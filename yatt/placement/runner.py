@@ -114,7 +114,8 @@ class Placement:
         self.gpu = gpu  # engines sleep instead of being torn down
         self.rollout = EngineSlot(build_rollout)  # this rank's policy engine
         judge_seed = cfg.seed * 7919 + rank
-        self.judge = EngineSlot(lambda: scorer.make_judge(seed=judge_seed))  # GenRMJudge + its engine
+        # GenRMJudge + its engine; colocated (rollout.tp > 1 is colocate only) on the rollout engine's ranks
+        self.judge = EngineSlot(lambda: scorer.make_judge(seed=judge_seed, tp=cfg.rollout.tp))
         # keep released engines resident (CPU): True, False, or None = decide after the first step
         self.keep = False if gpu else {"always": True, "never": False, "auto": None}[p.keep_engines]
         self.train_group = None  # None: Megatron's data-parallel group (every rank trains)

@@ -134,24 +134,35 @@ def megatron_params(layout: Layout, pp: int = 1) -> list[ParamSpec]:
     return specs
 
 
+def check_inference_tp(layout: Layout, i: int) -> None:
+    """Check that an engine of inference TP ``i`` can hold ``layout``'s model: ``i`` splits its
+    heads, KV heads and MLP size, and vLLM's padded vocabulary (a multiple of
+    :data:`VLLM_VOCAB_PADDING`).
+
+    Raises:
+        ValueError: naming the size ``i`` does not divide.
+    """
+    padded = -(-layout.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    sizes = {"heads": layout.num_heads, "KV heads": layout.num_kv_heads, "MLP size": layout.ffn_hidden_size,
+             "padded vocabulary": padded}
+    bad = [f"{name} ({n})" for name, n in sizes.items() if n % i]
+    if bad:
+        raise ValueError(f"inference TP={i} must divide the model's " + ", ".join(bad))
+
+
 def target_range(name: str, shape: tuple[int, ...], layout: Layout, i: int, j: int
                  ) -> tuple[int | None, int, int]:
     """(split dim, start, stop) of HF tensor ``name`` on inference TP rank ``j`` of ``i``.
 
     Raises:
-        ValueError: ``i`` does not divide the heads / KV heads / MLP size, or the padded vocab.
+        ValueError: from :func:`check_inference_tp`.
     """
+    check_inference_tp(layout, i)
     if name.endswith("norm.weight"):
         return None, 0, shape[0]
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        padded = -(-layout.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-        if padded % i:
-            raise ValueError(f"inference TP={i} must divide the padded vocabulary ({padded})")
-        per = padded // i
+        per = -(-layout.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // i
         return 0, min(j * per, shape[0]), min((j + 1) * per, shape[0])
-    if layout.num_heads % i or layout.num_kv_heads % i or layout.ffn_hidden_size % i:
-        raise ValueError(f"inference TP={i} must divide the heads ({layout.num_heads}), KV heads "
-                         f"({layout.num_kv_heads}) and MLP size ({layout.ffn_hidden_size})")
     dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
     per = shape[dim] // i
     return dim, j * per, (j + 1) * per

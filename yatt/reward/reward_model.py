@@ -43,12 +43,13 @@ class RewardModelScorer:
         path: the model's HF folder. batch_size: most sequences per engine step. max_length: most
             tokens of one sequence (longer ones keep their last ``max_length`` tokens).
         kv_cache_memory_bytes: the engine's KV cache on CPU (it must hold ``max_length`` tokens).
+        tp: ranks per engine (rollout TP, :mod:`yatt.rollout.tp_group`; collective over them).
     Raises:
         ValueError: the folder's model does not have exactly one label.
     """
 
     def __init__(self, path: str, batch_size: int = 16, max_length: int = 1024,
-                 kv_cache_memory_bytes: int = 1 << 28, progress: str | None = None) -> None:
+                 kv_cache_memory_bytes: int = 1 << 28, progress: str | None = None, tp: int = 1) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         from yatt.rollout.vllm_engine import VLLMEngine
@@ -58,7 +59,7 @@ class RewardModelScorer:
             raise ValueError(f"reward model {path}: {labels} labels; a reward model has one")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_length = max_length
-        self.engine = VLLMEngine(path, runner="pooling", max_model_len=max_length, max_num_seqs=batch_size,
+        self.engine = VLLMEngine(path, tp=tp, runner="pooling", max_model_len=max_length, max_num_seqs=batch_size,
                                  kv_cache_memory_bytes=kv_cache_memory_bytes, progress=progress)
         self.seed = 0  # the placement sets it per step, as for a GenRM judge; scoring draws nothing
 

@@ -70,12 +70,12 @@ class StepScorer:
         src = next(s for s in self.local if s.name == self.accuracy)
         return src.score([RewardItem(r.question, t, r.entry) for r, t in zip(rows, texts)]).scores
 
-    def make_judge(self, seed: int):
+    def make_judge(self, seed: int, tp: int = 1):
         """Build the judge: for a genrm source a vLLM engine of the judge model (collective, see
         :mod:`yatt.rollout.vllm_engine`) wrapped in a :class:`~yatt.reward.genrm.GenRMJudge`, for a
         reward_model source a :class:`~yatt.reward.reward_model.RewardModelScorer` (a vLLM pooling
-        engine, as collective). Shut it down
-        with ``judge.engine.shutdown()``."""
+        engine, as collective). ``tp``: ranks per judge engine (consecutive ranks, as
+        ``rollout.tp``; :mod:`yatt.rollout.tp_group`). Shut it down with ``judge.engine.shutdown()``."""
         from transformers import AutoTokenizer
 
         from yatt.reward.genrm import GenRMJudge
@@ -85,10 +85,10 @@ class StepScorer:
         src = self.judge_source
         if src.type == "reward_model":
             return RewardModelScorer(str(self.judge_path), src.batch_size, src.max_length,
-                                     src.kv_cache_memory_bytes, progress=self.progress)
+                                     src.kv_cache_memory_bytes, progress=self.progress, tp=tp)
 
         g = self.cfg.genrm
-        engine = VLLMEngine(str(self.judge_path), max_model_len=g.max_model_len,
+        engine = VLLMEngine(str(self.judge_path), tp=tp, max_model_len=g.max_model_len,
                             kv_cache_memory_bytes=g.kv_cache_memory_bytes, seed=seed, progress=self.progress)
         return GenRMJudge(engine, AutoTokenizer.from_pretrained(self.judge_path), template=g.template,
                           mode=g.mode, k=g.k, max_tokens=g.max_tokens, temperature=g.temperature,
