@@ -186,21 +186,18 @@ def _check_model_parallel(cfg, world: int) -> None:
                           f"world size ({world})")
     k = cfg.rollout.tp
     judge = None if k == 1 or cfg.reward.judge_model is None else _hf_config(cfg.reward.judge_model)
-    try:
-        for name, config in (("policy", hf), ("judge", judge)):
-            try:
-                layout = None if config is None else layout_from_hf(config)
-            except NotImplementedError:  # a judge YATT does not train: vLLM checks its own split
-                layout = None
-            try:
-                if layout is not None:
-                    check_inference_tp(layout, k)
-            except ValueError as e:
-                raise ValueError(f"the {name}'s engine: {e}") from None
-        if world % k:
-            raise ValueError(f"{k} ranks per rollout engine must divide the world size ({world})")
-    except ValueError as e:
-        raise ConfigError(f"config key 'rollout.tp': {e}") from None
+    for name, config in (("policy", hf), ("judge", judge)):
+        try:
+            layout = None if config is None else layout_from_hf(config)
+        except NotImplementedError:  # a judge YATT does not train: vLLM checks its own split
+            continue
+        try:
+            if layout is not None:
+                check_inference_tp(layout, k)
+        except ValueError as e:
+            raise ConfigError(f"config key 'rollout.tp': the {name}'s engine: {e}") from None
+    if world % k:
+        raise ConfigError(f"config key 'rollout.tp': {k} ranks per rollout engine must divide the world size ({world})")
 
 
 def _check_estimator(cfg) -> None:

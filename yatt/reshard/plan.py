@@ -134,6 +134,10 @@ def megatron_params(layout: Layout, pp: int = 1) -> list[ParamSpec]:
     return specs
 
 
+def _vllm_padded_vocab(layout: Layout) -> int:
+    return -(-layout.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
 def check_inference_tp(layout: Layout, i: int) -> None:
     """Check that an engine of inference TP ``i`` can hold ``layout``'s model: ``i`` splits its
     heads, KV heads and MLP size, and vLLM's padded vocabulary (a multiple of
@@ -142,7 +146,7 @@ def check_inference_tp(layout: Layout, i: int) -> None:
     Raises:
         ValueError: naming the size ``i`` does not divide.
     """
-    padded = -(-layout.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    padded = _vllm_padded_vocab(layout)
     sizes = {"heads": layout.num_heads, "KV heads": layout.num_kv_heads, "MLP size": layout.ffn_hidden_size,
              "padded vocabulary": padded}
     bad = [f"{name} ({n})" for name, n in sizes.items() if n % i]
@@ -161,7 +165,7 @@ def target_range(name: str, shape: tuple[int, ...], layout: Layout, i: int, j: i
     if name.endswith("norm.weight"):
         return None, 0, shape[0]
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        per = -(-layout.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // i
+        per = _vllm_padded_vocab(layout) // i
         return 0, min(j * per, shape[0]), min((j + 1) * per, shape[0])
     dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
     per = shape[dim] // i
