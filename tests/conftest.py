@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +47,11 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Tiers: users of the ``mpirun``, ``shared_job`` and ``demo_run`` fixtures start multi-process
-    jobs (``mpi``); every test marked neither ``mpi`` nor ``e2e`` runs in this process (``unit``)."""
+    """Tiers: users of the ``mpirun``, ``shared_job``, ``hosted`` and ``demo_run`` fixtures start
+    multi-process jobs (``mpi``); every test marked neither ``mpi`` nor ``e2e`` runs in this process
+    (``unit``)."""
     for item in items:
-        if {"mpirun", "shared_job", "demo_run"} & set(item.fixturenames):
+        if {"mpirun", "shared_job", "demo_run", "hosted"} & set(item.fixturenames):
             item.add_marker(pytest.mark.mpi)
         if not any(item.get_closest_marker(m) for m in ("mpi", "e2e")):
             item.add_marker(pytest.mark.unit)
@@ -137,22 +139,41 @@ def shared_job():
     return get
 
 
+def write_jsonl(path: Path, rows: list) -> str:
+    """``rows`` (dicts as JSON, strings as they are: a malformed line) one per line into ``path``; its path."""
+    path.write_text("".join(f"{r if isinstance(r, str) else json.dumps(r)}\n" for r in rows))
+    return str(path)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A whole YATT job for :func:`run_jobs`: ``python -m yatt.launch --config config overrides...``
+    (``output_dir`` is the job's own folder), after each ``(src, dst)`` of ``copy`` has been copied
+    (a folder or a file: a resumed run's checkpoint and metrics from a job before it)."""
+
+    config: str
+    overrides: list[str]
+    copy: tuple[tuple[Path, Path], ...] = ()
+
+
 @dataclass(frozen=True)
 class HostedJob:
-    """A YATT job that ran in a :func:`run_jobs` host: its exit code and its log (every rank's
-    stdout and stderr, as ``mpirun`` merges them)."""
+    """A YATT job that ran in a :func:`run_jobs` host: its output folder, its exit code and its log
+    (every rank's stdout and stderr, as ``mpirun`` merges them)."""
 
+    out: Path
     code: int
     log: str
 
 
-def run_jobs(jobs: dict[str, tuple[str, list[str]]], folder: Path, ranks: int = 2,
-             timeout: int = 1200) -> dict[str, HostedJob]:
-    """Whole YATT jobs, ``name -> (recipe, overrides)``, one after another in one ``mpirun -np
-    ranks`` job (``tests/mpi/jobs_in_one.py``: the ~10 s of imports per rank paid once); their logs
-    go to ``folder/<name>.log``. Fails the test when the host itself fails (a job that raises
-    aborts it), with the output's tail; a job's own exit code is the caller's to check."""
-    listing = [{"name": n, "config": c, "overrides": o, "log": str(folder / f"{n}.log")} for n, (c, o) in jobs.items()]
+def run_jobs(jobs: dict[str, JobSpec], folder: Path, ranks: int = 2, timeout: int = 1200) -> dict[str, HostedJob]:
+    """Whole YATT jobs, one after another in one ``mpirun -np ranks`` job (``tests/mpi/jobs_in_one.py``:
+    the ~10 s of imports per rank paid once), each into ``folder/<name>``, its log in
+    ``folder/<name>.log``. Fails the test when the host itself fails (a job that raises aborts it),
+    with the output's tail; a job's own exit code is the caller's to check (3: not run, a ``copy``
+    source was missing)."""
+    listing = [{"name": n, "config": j.config, "overrides": [*j.overrides, f"output_dir={folder / n}"],
+                "copy": [[str(a), str(b)] for a, b in j.copy], "log": str(folder / f"{n}.log")} for n, j in jobs.items()]
     (folder / "jobs.json").write_text(json.dumps(listing))
     try:
         run_mpi(["tests/mpi/jobs_in_one.py", folder / "jobs.json"], ranks, timeout=timeout)
@@ -160,7 +181,68 @@ def run_jobs(jobs: dict[str, tuple[str, list[str]]], folder: Path, ranks: int = 
         logs = "".join(f"\n--- {n}.log\n{(folder / f'{n}.log').read_text()[-3000:]}" for n in jobs
                        if (folder / f"{n}.log").exists())
         raise AssertionError(f"{e}{logs}") from None
-    return {n: HostedJob(int((folder / f"{n}.log.code").read_text()), (folder / f"{n}.log").read_text()) for n in jobs}
+    return {n: HostedJob(folder / n, int((folder / f"{n}.log.code").read_text()), (folder / f"{n}.log").read_text())
+            for n in jobs}
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    """conftest's tiny random models (``tiny_policy``, ``tiny_rm``, ``tiny_judge``), for job builders."""
+
+    policy: Path
+    rm: Path
+    judge: Path
+
+
+# test module name -> its builder of whole 2-rank jobs (``@hosted_jobs``), all run in one host
+HOSTED_JOBS: dict[str, Callable[[Path, TinyModels], dict[str, JobSpec]]] = {}
+
+
+def hosted_jobs(builder: Callable[[Path, TinyModels], dict[str, JobSpec]]):
+    """Decorator: registers a test module's ``builder(root, models) -> {name: JobSpec}``, whole jobs
+    under ``mpirun -np 2`` that the :func:`hosted` fixture runs together with every other module's
+    in one :func:`run_jobs` host (one interpreter start and import per rank for all of them; they
+    run in the builders' order, so a job may resume from a job before it). Names are suite-wide."""
+    HOSTED_JOBS[builder.__module__] = builder
+    return builder
+
+
+def resumed_pair(root: Path, name: str, config: str, overrides: list[str], step: int) -> dict[str, JobSpec]:
+    """Two jobs for a :func:`hosted_jobs` builder: ``<name>_ref``, a whole run, then ``<name>_run``,
+    the same job (``resume=auto``) in a folder that holds ``<name>_ref``'s step-``step`` checkpoint
+    and its whole metrics.jsonl (the later steps included: the resumed run must cut them)."""
+    ref, run, ckpt = root / f"{name}_ref", root / f"{name}_run", Path("checkpoints") / f"step_{step:06d}"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text(f"{ckpt.name}\n")
+    copy = ((ref / ckpt, run / ckpt), (ref / "metrics.jsonl", run / "metrics.jsonl"))
+    return {ref.name: JobSpec(config, overrides), run.name: JobSpec(config, overrides, copy=copy)}
+
+
+@pytest.fixture(scope="session")
+def hosted(request, tmp_path_factory, tiny_policy, tiny_rm, tiny_judge):
+    """``hosted(name) -> HostedJob``: the job ``name`` of a :func:`hosted_jobs` builder. On first use,
+    the jobs of every module with a selected test that uses this fixture run in one host; a failed
+    host fails every test that reads it, each with the output's tail, and is not run again."""
+    state: dict[str, object] = {}
+
+    def get(name: str) -> HostedJob:
+        if not state:
+            wanted = {item.module.__name__ for item in request.session.items if "hosted" in item.fixturenames}
+            root, models, jobs = tmp_path_factory.mktemp("hosted"), TinyModels(tiny_policy, tiny_rm, tiny_judge), {}
+            for module, build in HOSTED_JOBS.items():
+                if module in wanted:
+                    more = build(root, models)
+                    assert not jobs.keys() & more.keys(), f"{module}: job names taken: {jobs.keys() & more.keys()}"
+                    jobs |= more
+            try:
+                state["jobs"] = run_jobs(jobs, root, timeout=1800)
+            except (AssertionError, subprocess.TimeoutExpired) as e:
+                state["jobs"] = e
+        if isinstance(state["jobs"], Exception):
+            pytest.fail(f"the hosted jobs failed: {state['jobs']}")
+        return state["jobs"][name]
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -250,6 +332,28 @@ def tiny_rm(tmp_path_factory) -> Path:
     """A tiny random one-label Qwen2 sequence classifier (a reward model) with SmolLM2's tokenizer."""
     path = tmp_path_factory.mktemp("tiny_rm")
     trainer_tp.save_tiny_reward_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_judge(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 judge (SmolLM2's tokenizer) whose output layer favours the yes/no tokens
+    (their rows scaled x20), so they are among its top logprobs and P(yes) is read for every
+    judgement; what it says is random."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from yatt.reward.genrm import yes_no_token_ids
+
+    path = tmp_path_factory.mktemp("tiny_judge")
+    trainer_tp.save_tiny_vllm(path, tied=False, max_position_embeddings=2048)  # judge prompts hold question and answer
+    yes, no = yes_no_token_ids(AutoTokenizer.from_pretrained(path))
+    state = load_file(path / "model.safetensors")
+    head = state["lm_head.weight"]
+    rows = torch.tensor(sorted(yes | no))
+    head[rows] *= 20.0
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

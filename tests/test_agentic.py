@@ -7,12 +7,11 @@ and test_async_rl)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import launch_job, trainer_tp, wait_job
+from conftest import DEMO_ARGS, DEMO_RECIPE, JobSpec, TinyModels, hosted_jobs, resumed_pair, trainer_tp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
 _TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
@@ -20,16 +19,12 @@ ARGS = ("rollout.env=tests.envs:Continue", "rollout.max_turns=3", "rollout.max_t
         "trainer.total_steps=3", "algo.entropy_coef=0.01", "checkpoint.keep_last=3")
 
 
-@pytest.fixture(scope="module")
-def chatty_policy(tmp_path_factory) -> Path:
-    """conftest's tiny random policy, untied, with the end-of-turn token's output row scaled by 20:
-    its logit is large whenever it is positive, so a turn ends after a few tokens."""
-    import torch
+def save_chatty_policy(path: Path) -> Path:
+    """conftest's tiny random policy, untied, with the end-of-turn token's output row scaled by 20,
+    into ``path``: its logit is large whenever it is positive, so a turn ends after a few tokens."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-
-    path = tmp_path_factory.mktemp("chatty_policy")
     trainer_tp.save_tiny_vllm(path, tied=False, max_position_embeddings=1024)
     eos = AutoTokenizer.from_pretrained(path).eos_token_id
     state = load_file(path / "model.safetensors")
@@ -38,16 +33,23 @@ def chatty_policy(tmp_path_factory) -> Path:
     return path
 
 
+@hosted_jobs
+def agentic_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """``agentic_ref``, 3 steps of multi-turn episodes on the chatty policy, and ``agentic_run``: the
+    same job resumed from ``agentic_ref``'s step-1 checkpoint."""
+    model = f"model.path={save_chatty_policy(root / 'chatty_policy')}"
+    return resumed_pair(root, "agentic", DEMO_RECIPE, [*DEMO_ARGS, model, *ARGS], step=1)
+
+
 def _records(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
 
 
-def test_multi_turn_episodes_train_on_the_model_tokens_and_resume_exactly(tmp_path, chatty_policy):
-    model = f"model.path={chatty_policy}"
-    ref = tmp_path / "ref"
-    assert wait_job(launch_job(ref, model, *ARGS)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
-    records = _records(ref)
+def test_multi_turn_episodes_train_on_the_model_tokens_and_resume_exactly(hosted):
+    ref, run = hosted("agentic_ref"), hosted("agentic_run")
+    assert ref.code == 0, ref.log[-4000:]
+    records = _records(ref.out)
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:
@@ -58,14 +60,7 @@ def test_multi_turn_episodes_train_on_the_model_tokens_and_resume_exactly(tmp_pa
     # (environment tokens in the context, masked out) equal the engine's, turn by turn
     assert train[0]["logprob_diff_rollout_vs_train"] < 1e-3
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 3]
-
     # the reference's step-1 checkpoint (and its whole metrics.jsonl, which the resumed run must cut
     # back to step 1) resumed in a new job: the same records at every later step, episodes and all
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ref / "checkpoints" / "step_000001", run / "checkpoints" / "step_000001")
-    (run / "checkpoints" / "latest").write_text("step_000001\n")
-    shutil.copy(ref / "metrics.jsonl", run / "metrics.jsonl")
-    assert wait_job(launch_job(run, model, *ARGS)) == 0, (tmp_path / "run.log").read_text()[-4000:]
-    assert "resumed from" in (tmp_path / "run.log").read_text()
-    assert _records(run) == records
+    assert run.code == 0 and "resumed from" in run.log, run.log[-4000:]
+    assert _records(run.out) == records

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import run_jobs
+from conftest import JobSpec, run_jobs, write_jsonl
 from yatt.assets.data import SKIP_REASONS, PromptStream, _check, load_prompts
 from yatt.assets.model import SMOLLM2, resolve_model
 from yatt.config import DataConfig, SftConfig
@@ -30,11 +30,6 @@ def _template(tok, messages) -> list[int]:
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def _write(path, rows) -> str:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return str(path)
-
-
 SYS = {"role": "system", "content": "Answer in <answer> tags."}
 USER = {"role": "user", "content": "What is 2 + 3?"}
 
@@ -51,7 +46,7 @@ def test_chat_rows_are_prompted_by_the_chat_template(tok, tmp_path):
     tool = [USER, _turn("assistant", "calc(2 + 3)"), _turn("tool", "5")]
     rows = [{"messages": [USER], "answer": "5"}, {"messages": multi, "answer": 5}, {"messages": tool, "answer": "5"},
             {"messages": None, "question": "What is 4 + 4?", "answer": "8"}]
-    cfg = DataConfig(source="file", eval_files=[_write(tmp_path / "chat.jsonl", rows)], system_prompt="Be brief.")
+    cfg = DataConfig(source="file", eval_files=[write_jsonl(tmp_path / "chat.jsonl", rows)], system_prompt="Be brief.")
     kept, stats = load_prompts(cfg, tok, "eval")
     assert stats.kept == 4 and not any(stats.skipped.values())
     brief = _turn("system", "Be brief.")
@@ -100,7 +95,7 @@ def test_malformed_conversations_are_skipped_and_counted(tok, tmp_path, caplog):
         {"messages": [USER], "answer": ["5"]},                                # 13: wrong_type (answer)
         {"chat": [USER], **answer},                                           # 14: missing_field (no question)
     ]
-    path = _write(tmp_path / "bad.jsonl", rows)
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
     cfg = DataConfig(source="file", train_files=[path], eval_files=[path])
     with caplog.at_level("WARNING", logger="yatt"):
         kept, stats = load_prompts(cfg, tok, "train")
@@ -145,15 +140,15 @@ def test_a_template_that_rejects_a_conversation_is_a_bad_messages_skip(tok, tmp_
     strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}"
                             "{% endif %}{{ m['content'] }}{% endfor %}")
     rows = [{"messages": [USER], "answer": "5"}, {"messages": [USER, _turn("tool", "5")], "answer": "5"}]
-    kept, stats = load_prompts(DataConfig(source="file", eval_files=[_write(tmp_path / "t.jsonl", rows)]), strict, "eval")
+    kept, stats = load_prompts(DataConfig(source="file", eval_files=[write_jsonl(tmp_path / "t.jsonl", rows)]), strict, "eval")
     assert len(kept) == 1 and stats.skipped["bad_messages"] == 1
 
 
 def test_a_file_of_only_bad_conversations_stops_the_job_naming_messages_key(tok, tmp_path):
     """A file none of whose conversations is usable (here: ShareGPT's role names) is a wrong file or
     key: its first whole epoch stops the job, the message naming data.messages_key."""
-    good = _write(tmp_path / "good.jsonl", [{"messages": [USER], "answer": "5"}] * 3)
-    wrong = _write(tmp_path / "wrong.jsonl", [{"messages": [_turn("human", "hi")], "answer": "1"}] * 3)
+    good = write_jsonl(tmp_path / "good.jsonl", [{"messages": [USER], "answer": "5"}] * 3)
+    wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"messages": [_turn("human", "hi")], "answer": "1"}] * 3)
     shard = PromptShard(PromptStream(DataConfig(source="file", train_files=[good, wrong]), tok), batch_size=2, seed=0)
     with pytest.raises(ValueError, match=r"no usable row in .*wrong\.jsonl.*bad_messages.*messages_key='messages'"):
         for _ in range(3):
@@ -167,7 +162,7 @@ def test_sft_learns_a_conversations_final_assistant_turn(tok, tmp_path):
     rows = [{"messages": [SYS, USER, _turn("assistant", "It is 5.")], "answer": "5"},
             {"messages": [USER], "answer": "5"},
             {"messages": [USER, _turn("assistant", " ")], "answer": "5"}]
-    cfg = DataConfig(source="file", train_files=[_write(tmp_path / "sft.jsonl", rows)])
+    cfg = DataConfig(source="file", train_files=[write_jsonl(tmp_path / "sft.jsonl", rows)])
     kept, _ = load_prompts(cfg, tok, "train", targets=True)
     samples, skipped = sft_samples(kept, SftConfig(), tok, max_len=256)
     assert skipped == 1 and len(samples) == 2
@@ -235,11 +230,11 @@ def chat_jobs(tmp_path_factory, tiny_policy) -> dict[str, tuple[list[dict], str]
     data = {"rl": ("configs/grpo_smollm2.yaml", GOOD + BAD + [TRAILING], GOOD + BAD[1:],
                    ["rollout.n=2", "rollout.max_tokens=8"]),
             "sft": ("configs/sft_smollm2.yaml", SFT_ROWS + BAD, SFT_ROWS, [])}
-    jobs = {name: (recipe, [f"model.path={tiny_policy}", "data.source=file",
-                            f"data.train_files=[{_write(root / f'{name}_train.jsonl', train)}]",
-                            f"data.eval_files=[{_write(root / f'{name}_eval.jsonl', evals)}]", "trainer.total_steps=2",
+    jobs = {name: JobSpec(recipe, [f"model.path={tiny_policy}", "data.source=file",
+                            f"data.train_files=[{write_jsonl(root / f'{name}_train.jsonl', train)}]",
+                            f"data.eval_files=[{write_jsonl(root / f'{name}_eval.jsonl', evals)}]", "trainer.total_steps=2",
                             "trainer.prompts_per_rank=3", "eval.max_tokens=4", "log.progress=false",
-                            "checkpoint.every_steps=0", f"output_dir={root / name}", *extra])
+                            "checkpoint.every_steps=0", *extra])
             for name, (recipe, train, evals, extra) in data.items()}
     out = {}
     for name, job in run_jobs(jobs, root, ranks=1).items():

@@ -1,11 +1,13 @@
 """stage: dpo's pairs (yatt/stages/dpo.py, yatt/stages/pairs.py) and a whole DPO job."""
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import JobSpec, TinyModels, hosted_jobs, write_jsonl
 from yatt.assets.model import SMOLLM2, resolve_model
 from yatt.config import ConfigError, DataConfig, load_config
 from yatt.stages.dpo import pair_micro_batches, pair_samples
@@ -49,22 +51,27 @@ def test_dpo_config_checks():
         load_config("configs/dpo_smollm2.yaml", ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"])
 
 
+@hosted_jobs
+def dpo_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """Two DPO steps of the tiny random policy on a pairs file with three bad rows (conftest's
+    ``hosted`` fixture runs it, with the other modules' jobs)."""
+    good = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"<answer>{i}</answer>",
+             "answer": str(i + 1)} for i in range(8)]
+    bad = ["not json", {"chosen": "x"}, {"prompt": "Calculate 9 + 1.", "chosen": "10", "answer": "10"}]
+    return {"dpo": JobSpec("configs/dpo_smollm2.yaml", [
+        f"model.path={models.policy}", f"data.train_files=[{write_jsonl(root / 'dpo_train.jsonl', good + bad)}]",
+        f"data.eval_files=[{write_jsonl(root / 'dpo_eval.jsonl', good[:4])}]", "trainer.total_steps=2",
+        "trainer.prompts_per_rank=3", "trainer.lr=1e-4", "eval.max_tokens=8", "log.progress=false"])}
+
+
 @pytest.mark.slow
-def test_dpo_job_trains_on_pairs_and_counts_bad_rows(mpirun, tmp_path, tiny_policy):
+def test_dpo_job_trains_on_pairs_and_counts_bad_rows(hosted):
     """Two DPO steps of the tiny random policy on a pairs file with bad rows: the loss starts at
     log 2 (policy = reference), the held-out pairs are scored before and after, the bad rows are
     counted (two by the data loader, one without a rejected response by the stage)."""
-    good = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"<answer>{i}</answer>",
-             "answer": str(i + 1)} for i in range(8)]
-    lines = [json.dumps(r) for r in good] + ["not json", json.dumps({"chosen": "x"}),
-                                             json.dumps({"prompt": "Calculate 9 + 1.", "chosen": "10", "answer": "10"})]
-    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in good[:4]) + "\n")
-    out = tmp_path / "run"
-    mpirun(["-m", "yatt.launch", "--config", "configs/dpo_smollm2.yaml", f"model.path={tiny_policy}",
-            f"data.train_files=[{tmp_path / 'train.jsonl'}]", f"data.eval_files=[{tmp_path / 'eval.jsonl'}]",
-            "trainer.total_steps=2", "trainer.prompts_per_rank=3", "trainer.lr=1e-4", "eval.max_tokens=8",
-            "log.progress=false", f"output_dir={out}"], 2, timeout=600)
+    job = hosted("dpo")
+    assert job.code == 0, job.log[-4000:]
+    out = job.out
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "dpo_loss" in r]
     evals = [r for r in records if "eval_pair_accuracy" in r]

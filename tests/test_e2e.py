@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HostedJob, run_jobs, tensorboard_scalars, trainer_tp as ref
+from conftest import JobSpec, TinyModels, hosted_jobs, tensorboard_scalars
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -78,28 +78,6 @@ def _check_tensorboard_and_bars(out, train, stderr: str) -> None:
     assert "steps: 100%" in stderr and "rollout: 100%" in stderr, stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def tiny_judge(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 judge (SmolLM2's tokenizer) whose output layer favours the yes/no tokens
-    (their rows scaled x20), so they are among its top logprobs and P(yes) is read for every
-    judgement; what it says is random."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    from yatt.reward.genrm import yes_no_token_ids
-
-    path = tmp_path_factory.mktemp("tiny_judge")
-    ref.save_tiny_vllm(path, tied=False, max_position_embeddings=2048)  # judge prompts hold question and answer
-    yes, no = yes_no_token_ids(AutoTokenizer.from_pretrained(path))
-    state = load_file(path / "model.safetensors")
-    head = state["lm_head.weight"]
-    rows = torch.tensor(sorted(yes | no))
-    head[rows] *= 20.0
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
 # Each placement run also trains with another algorithm (their math: test_policy_loss, test_token_advantages).
 ALGOS = {"colocate": ["algo.estimator=reinforce_pp_baseline", "algo.kl_in_reward=0.05",  # + a reference model
                       "algo.kl_target=0.01", "algo.kl_horizon=8"],  # adaptive: 8 samples a step, a full correction
@@ -120,35 +98,33 @@ GENRM_MODES = ["colocate", "partial_colocate", "disaggregated", "rollout_apart"]
 RM_MODES = ["colocate", "partial_colocate", "disaggregated"]
 
 
-@pytest.fixture(scope="module")
-def placement_runs(tmp_path_factory, tiny_policy, tiny_judge, tiny_rm) -> dict[str, tuple[Path, HostedJob]]:
-    """The GenRM recipe in each placement mode (``genrm_<mode>``) and a reward model as the only
-    source in each placement with a judge slot (``rm_<mode>``): seven whole jobs in one ``mpirun
-    -np 2`` (conftest's :func:`run_jobs`), each into its own folder. ``name -> (folder, job)``; each
-    test checks its own job's exit code."""
-    root = tmp_path_factory.mktemp("placements")
-    jobs = {f"genrm_{mode}": ("configs/grpo_smollm2_genrm.yaml", [
-        *SHORT, f"placement.mode={mode}", f"output_dir={root / f'genrm_{mode}'}", "rollout.n=2",
-        f"model.path={tiny_policy}", f"reward.genrm.model={tiny_judge}", *ALGOS[mode]]) for mode in GENRM_MODES}
-    jobs |= {f"rm_{mode}": ("configs/grpo_smollm2.yaml", [
+@hosted_jobs
+def placement_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """The GenRM recipe in each placement mode (``genrm_<mode>``), a reward model as the only source
+    in each placement with a judge slot (``rm_<mode>``) and rollout TP 2 (``rollout_tp``), on the
+    tiny models: conftest's ``hosted`` fixture runs them, with the other modules' jobs."""
+    jobs = {f"genrm_{mode}": JobSpec("configs/grpo_smollm2_genrm.yaml", [
+        *SHORT, f"placement.mode={mode}", "rollout.n=2", f"model.path={models.policy}",
+        f"reward.genrm.model={models.judge}", *ALGOS[mode]]) for mode in GENRM_MODES}
+    jobs |= {f"rm_{mode}": JobSpec("configs/grpo_smollm2.yaml", [
         "trainer.total_steps=1", "trainer.prompts_per_rank=2", "data.eval_size=0", "rollout.n=2",
-        "rollout.max_tokens=16", "placement.keep_engines=never", f"placement.mode={mode}",
-        f"output_dir={root / f'rm_{mode}'}", f"model.path={tiny_policy}",
-        f"reward.sources=[{{name: rm, type: reward_model, model: '{tiny_rm}', batch_size: 3}}]"]) for mode in RM_MODES}
-    jobs["rollout_tp"] = ("configs/grpo_smollm2.yaml", [  # one engine (and judge) over both ranks, the trainer DP
-        *SHORT, "data.eval_size=7", "rollout.n=2", "rollout.tp=2", f"output_dir={root / 'rollout_tp'}",
-        f"model.path={tiny_policy}", f"reward.genrm.model={tiny_judge}",
+        "rollout.max_tokens=16", "placement.keep_engines=never", f"placement.mode={mode}", f"model.path={models.policy}",
+        f"reward.sources=[{{name: rm, type: reward_model, model: '{models.rm}', batch_size: 3}}]"]) for mode in RM_MODES}
+    jobs["rollout_tp"] = JobSpec("configs/grpo_smollm2.yaml", [  # one engine (and judge) over both ranks, the trainer DP
+        *SHORT, "data.eval_size=7", "rollout.n=2", "rollout.tp=2", f"model.path={models.policy}",
+        f"reward.genrm.model={models.judge}",
         f"reward.sources=[{{name: parity, type: function, path: '{PARITY}'}}, {{name: genrm, type: genrm, weight: 0.5}}]"])
-    return {name: (root / name, job) for name, job in run_jobs(jobs, root).items()}
+    return jobs
 
 
 @pytest.mark.parametrize("mode", GENRM_MODES)
-def test_genrm_recipe_runs_in_each_placement_mode(placement_runs, mode):
+def test_genrm_recipe_runs_in_each_placement_mode(hosted, mode):
     """These runs check the placements (where sampling, judging and training run, the streaming, the
     engine switches and the weight push), which need no real policy or judge: tiny random ones. The
     demo policy trains in the runs above; test_genrm checks the 0.5B judge itself (its P(yes) ranks
     right answers above wrong ones)."""
-    out, job = placement_runs[f"genrm_{mode}"]
+    job = hosted(f"genrm_{mode}")
+    out = job.out
     assert job.code == 0, job.log[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]
@@ -203,12 +179,13 @@ def test_genrm_recipe_runs_in_each_placement_mode(placement_runs, mode):
 
 
 @pytest.mark.parametrize("mode", RM_MODES)
-def test_reward_model_source_runs_in_each_placement(placement_runs, mode):
+def test_reward_model_source_runs_in_each_placement(hosted, mode):
     """A discriminative reward model (tiny, random) as the only weighted source, on its vLLM
     pooling engine in the judge's slot: colocated (built after the rollout engine is released,
     released before training, on both ranks), and on the GenRM rank of each split placement
     (streamed to by the sampler in partial colocation), with a finite ``reward_rm_mean``."""
-    out, job = placement_runs[f"rm_{mode}"]
+    job = hosted(f"rm_{mode}")
+    out = job.out
     assert job.code == 0, job.log[-4000:]
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(record["reward_rm_mean"]) and record["reward_mean"] == record["reward_rm_mean"], record
@@ -217,12 +194,13 @@ def test_reward_model_source_runs_in_each_placement(placement_runs, mode):
         assert record["time_engines_s"] > 0 and record["engines_resident"] == 0, record
 
 
-def test_rollout_tensor_parallel_run_trains_on_the_engines_own_logprobs(placement_runs):
+def test_rollout_tensor_parallel_run_trains_on_the_engines_own_logprobs(hosted):
     """``rollout.tp=2``: both ranks serve one engine (their prompts share its calls, an uneven eval
     split of 7 prompts included) and each gets its own shard at every sync: the engine's logprobs
     equal the trainer's at every step (1e-6 measured; one wrong shard or a rank's own seed gives ~1).
     The GenRM judge runs colocated at TP 2 too, and judges every response."""
-    out, job = placement_runs["rollout_tp"]
+    job = hosted("rollout_tp")
+    out = job.out
     assert job.code == 0, job.log[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "reward_mean" in r]

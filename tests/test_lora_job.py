@@ -2,18 +2,17 @@
 a parity reward so every step trains): the engines get the merged weights (the rollout/trainer
 logprob check), checkpoints hold adapters only and resume exactly (step 3 from step 2's checkpoint), and the
 exports (PEFT adapter folder, merged folder, merged critic) load in transformers and give the
-trainer's logprobs. ~60 s on the 2-core dev machine (two jobs, 2026-12-06).
+trainer's logprobs. Both jobs run in conftest's ``hosted`` fixture, with the other modules' jobs.
 """
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import launch_job, wait_job
+from conftest import DEMO_ARGS, DEMO_RECIPE, JobSpec, TinyModels, hosted_jobs, resumed_pair
 from conftest import trainer_tp as ref
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -24,12 +23,18 @@ ARGS = ("trainer.total_steps=3", "trainer.lr=1e-3", "trainer.lora={rank: 4, alph
 _TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
 
 
+@hosted_jobs
+def lora_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """``lora_ref``, 3 steps, and ``lora_run``: the same job resumed from ``lora_ref``'s step-2 checkpoint."""
+    return resumed_pair(root, "lora", DEMO_RECIPE, [*DEMO_ARGS, f"model.path={models.policy}", *ARGS], step=2)
+
+
 def _records(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
 
 
-def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, tmp_path, tiny_policy):
+def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, hosted, tmp_path, tiny_policy):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -37,9 +42,9 @@ def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, tmp_p
     from yatt.trainer.actor import MegatronPolicy
     from yatt.trainer.lora import LoraSpec
 
-    args = (f"model.path={tiny_policy}", *ARGS)
-    first, run = tmp_path / "ref", tmp_path / "run"
-    assert wait_job(launch_job(first, *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    ref_job, run = hosted("lora_ref"), hosted("lora_run")
+    assert ref_job.code == 0, ref_job.log[-4000:]
+    first = ref_job.out
     train = [r for r in _records(first) if "reward_mean" in r]
     assert len(train) == 3 and all(r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in train)
     # the reference (the base: adapters off) equals the policy at step 1 and falls behind it after
@@ -56,12 +61,8 @@ def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, tmp_p
 
     # a run resumed from the first run's step-2 checkpoint (adapters, their optimizer state, base from
     # the HF folder again) trains step 3 exactly as the first run did
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(first / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
-    (run / "checkpoints" / "latest").write_text("step_000002\n")
-    assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
-    assert "resumed from" in (tmp_path / "run.log").read_text()
-    resumed = [r for r in _records(run) if r["step"] == 3]
+    assert run.code == 0 and "resumed from" in run.log, run.log[-4000:]
+    resumed = [r for r in _records(run.out) if r["step"] == 3]
     assert resumed and resumed == [r for r in _records(first) if r["step"] == 3]
 
     # exports: PEFT folder, merged folder and the merged critic, against the trainer holding the checkpoint

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO_ARGS, DEMO_RECIPE, MPIRUN, ROOT, job_env, kill_job, launch_job, tensorboard_scalars, wait_job
+from conftest import (DEMO_ARGS, DEMO_RECIPE, MPIRUN, ROOT, HostedJob, JobSpec, TinyModels, hosted_jobs, job_env,
+                      kill_job, launch_job, resumed_pair, tensorboard_scalars, wait_job, write_jsonl)
 from yatt.preload import runtime_libraries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -51,26 +52,40 @@ def _steps(out: Path) -> list[int]:
     return [r["step"] for r in _records(out) if "reward_mean" in r]
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, tiny_policy) -> tuple[Path, tuple[str, ...]]:
-    """(the folder, the arguments) of the uninterrupted 4-step PPO run that the resume tests
-    compare with (every checkpoint kept)."""
-    args = (f"model.path={tiny_policy}", "algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true",
-            "algo.kl_in_reward=0.05", "algo.kl_target=0.01", "algo.kl_horizon=4",  # + the KL coefficient's state
-            "checkpoint.keep_last=4")
-    ref = tmp_path_factory.mktemp("reference") / "ref"
-    assert wait_job(launch_job(ref, *args)) == 0, (ref.parent / "ref.log").read_text()[-4000:]
-    return ref, args
+# the PPO run that the kill/preempt and world-size tests compare with (every checkpoint kept)
+PPO = ("algo.entropy_coef=0.01", "algo.estimator=gae", "critic.enabled=true",
+       "algo.kl_in_reward=0.05", "algo.kl_target=0.01", "algo.kl_horizon=4",  # + the KL coefficient's state
+       "checkpoint.keep_last=4")
+PAIRS = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
+          "answer": str(i + 1)} for i in range(8)]
+
+
+@hosted_jobs
+def resume_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """``ppo_ref``, the uninterrupted 4-step PPO run, and an SFT and an RM run each resumed from its
+    own step 2 (``sft_ref``/``sft_run``, ``rm_resume_ref``/``rm_resume_run``): conftest's ``hosted``
+    fixture runs them, with the other modules' jobs."""
+    model = f"model.path={models.policy}"
+    pairs = write_jsonl(root / "resume_pairs.jsonl", PAIRS)
+    rm = [model, "stage=rm", "data.source=file", f"data.train_files=[{pairs}]", f"data.eval_files=[{pairs}]",
+          "data.question_key=prompt", "data.answer_key=answer", "trainer.prompts_per_rank=2", "trainer.lr=1e-3",
+          "checkpoint.keep_last=4"]
+    return {"ppo_ref": JobSpec(DEMO_RECIPE, [*DEMO_ARGS, model, *PPO]),
+            **resumed_pair(root, "sft", DEMO_RECIPE, [*DEMO_ARGS, model, "stage=sft", "checkpoint.keep_last=4"], step=2),
+            **resumed_pair(root, "rm_resume", DEMO_RECIPE, [*DEMO_ARGS, *rm], step=2)}
+
+
+@pytest.fixture
+def reference_run(hosted, tiny_policy) -> tuple[Path, tuple[str, ...]]:
+    """(the folder, the arguments after :data:`DEMO_ARGS`) of the hosted ``ppo_ref`` run."""
+    job = hosted("ppo_ref")
+    assert job.code == 0, job.log[-4000:]
+    return job.out, (f"model.path={tiny_policy}", *PPO)
 
 
 def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, reference_run):
     ref, args = reference_run
     run = tmp_path / "run"
-    # python -m yatt.launch restarted itself with what yatt.preload found installed (rank 0's line)
-    runtime = next(line for line in (ref.parent / "ref.log").read_text().splitlines() if "memory allocator: " in line)
-    found = runtime_libraries()
-    assert ("tcmalloc (" in runtime) == any("tcmalloc" in lib for lib in found), (runtime, found)
-    assert ("Intel (libiomp5" in runtime) == any("iomp5" in lib for lib in found), (runtime, found)
     ckpts = ref / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     # no stale weights: consecutive checkpoints differ
@@ -118,6 +133,11 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, referenc
     # TensorBoard, over the killed, preempted and finishing runs' event files, shows each step once
     scalars = _scalars(run)
     assert scalars == _scalars(ref) and [s for s, _ in scalars["train/reward_mean"]] == [1, 2, 3, 4]
+    # python -m yatt.launch restarted itself with what yatt.preload found installed (rank 0's line, last run)
+    runtime = [line for line in (tmp_path / "run.log").read_text().splitlines() if "memory allocator: " in line][-1]
+    found = runtime_libraries()
+    assert ("tcmalloc (" in runtime) == any("tcmalloc" in lib for lib in found), (runtime, found)
+    assert ("Intel (libiomp5" in runtime) == any("iomp5" in lib for lib in found), (runtime, found)
 
 
 def test_sigterm_during_start_up_exits_for_requeue(tmp_path, tiny_policy):
@@ -137,55 +157,37 @@ def test_sigterm_during_start_up_exits_for_requeue(tmp_path, tiny_policy):
     assert "Traceback" not in text and not list((run / "checkpoints").glob("step_*"))
 
 
-def test_an_sft_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
+def test_an_sft_run_resumes_to_the_same_metrics(hosted):
     """``stage: sft`` on the same machinery: the run's step-2 checkpoint resumed (``resume=auto``,
     in a new job) gives the uninterrupted run's metrics at every later step, the evals included
     (the weights, Adam moments, LR schedule and data position all restored). A run killed during
     a checkpoint's write resumes from the last committed one: the PPO test above."""
-    args = (f"model.path={tiny_policy}", "stage=sft", "checkpoint.keep_last=4")
-    reference = _reference_run(tmp_path, args)
-    sft = [r for r in reference if "sft_loss" in r]
+    ref, run = hosted("sft_ref"), hosted("sft_run")
+    assert ref.code == 0, ref.log[-4000:]
+    sft = [r for r in _records(ref.out) if "sft_loss" in r]
     assert [r["step"] for r in sft] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in sft)
     assert sft[-1]["sft_loss"] < sft[0]["sft_loss"]  # it learns the targets
-    _resume_step_2_to(tmp_path, args, reference)
+    _check_resumed(ref, run)
 
 
-def test_an_rm_run_resumes_to_the_same_metrics(tmp_path, tiny_policy):
+def test_an_rm_run_resumes_to_the_same_metrics(hosted):
     """``stage: rm`` (the critic trained as a reward model on a pairs file): the run's step-2
     checkpoint resumed (``resume=auto``, in a new job) gives the uninterrupted run's metrics at
     every later step, the held-out pair evals included (the critic's weights, Adam moments, LR
     schedule, data position)."""
-    pairs = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
-              "answer": str(i + 1)} for i in range(8)]
-    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
-    args = (f"model.path={tiny_policy}", "stage=rm", "data.source=file", f"data.train_files=[{tmp_path / 'pairs.jsonl'}]",
-            f"data.eval_files=[{tmp_path / 'pairs.jsonl'}]", "data.question_key=prompt", "data.answer_key=answer",
-            "trainer.prompts_per_rank=2", "trainer.lr=1e-3", "checkpoint.keep_last=4")
-    reference = _reference_run(tmp_path, args)
-    rm = [r for r in reference if "rm_loss" in r]
+    ref, run = hosted("rm_resume_ref"), hosted("rm_resume_run")
+    assert ref.code == 0, ref.log[-4000:]
+    rm = [r for r in _records(ref.out) if "rm_loss" in r]
     assert [r["step"] for r in rm] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in rm)
     assert len({r["reward_margin"] for r in rm}) == 4  # the head moves every step
-    _resume_step_2_to(tmp_path, args, reference)
+    _check_resumed(ref, run)
 
 
-def _reference_run(tmp_path: Path, args: tuple[str, ...]) -> list[dict]:
-    """The metrics of an uninterrupted run of the demo recipe with ``args`` (into ``tmp_path/ref``)."""
-    assert wait_job(launch_job(tmp_path / "ref", *args)) == 0, (tmp_path / "ref.log").read_text()[-4000:]
-    return _records(tmp_path / "ref")
-
-
-def _resume_step_2_to(tmp_path: Path, args: tuple[str, ...], reference: list[dict]) -> None:
-    """The reference run's (``tmp_path/ref``) step-2 checkpoint and its whole metrics.jsonl (steps
-    3 and 4 included: the resumed run must drop them) in a new folder, then ``resume=auto`` to the
-    end in a new job: its metrics must be ``reference``'s at every step."""
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "ref" / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
-    (run / "checkpoints" / "latest").write_text("step_000002\n")
-    shutil.copy(tmp_path / "ref" / "metrics.jsonl", run / "metrics.jsonl")
-    assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
-    assert "resumed from" in (tmp_path / "run.log").read_text()
-    assert _records(run) == reference
+def _check_resumed(ref: HostedJob, run: HostedJob) -> None:
+    """``run``, resumed from ``ref``'s step-2 checkpoint with ``ref``'s whole metrics.jsonl (steps 3
+    and 4 included: it must drop them; conftest's ``resumed_pair``), has ``ref``'s metrics at every step."""
+    assert run.code == 0 and "resumed from" in run.log, run.log[-4000:]
+    assert _records(run.out) == _records(ref.out)
 
 
 def test_a_run_resumes_on_fewer_and_on_more_ranks_and_on_another_tp_and_pp(tmp_path, reference_run):

@@ -3,15 +3,13 @@ exported reward model, served by the reward_model source's vLLM engine, scores t
 as the trainer did."""
 import json
 import math
-import os
-import subprocess
-import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import ROOT
+from conftest import JobSpec, TinyModels, hosted_jobs, write_jsonl
 from yatt.assets.model import SMOLLM2, resolve_model
 from yatt.config import ConfigError, DataConfig, load_config
 from yatt.reward.reward_model import chat_ids
@@ -38,21 +36,32 @@ def test_rm_config_checks():
         load_config("configs/rm_smollm2.yaml", ["critic.enabled=true"])
 
 
+@hosted_jobs
+def rm_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """Two Bradley-Terry steps on the tiny random policy's body, a row without a rejected response
+    among the pairs (conftest's ``hosted`` fixture runs it, with the other modules' jobs)."""
+    good = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
+             "answer": str(i + 1)} for i in range(8)]
+    no_rejected = {"prompt": "x", "answer": "1"}
+    return {"rm": JobSpec("configs/rm_smollm2.yaml", [
+        f"model.path={models.policy}", f"data.train_files=[{write_jsonl(root / 'rm_train.jsonl', good + [no_rejected])}]",
+        f"data.eval_files=[{write_jsonl(root / 'rm_eval.jsonl', good[:6])}]", "trainer.total_steps=2",
+        "trainer.prompts_per_rank=3", "trainer.lr=1e-2", "trainer.min_lr=1e-2", "eval.max_tokens=4", "log.progress=false"])}
+
+
 @pytest.mark.slow
-def test_rm_job_exports_a_reward_model_that_scores_as_trained(mpirun, tmp_path, tiny_policy):
+def test_rm_job_exports_a_reward_model_that_scores_as_trained(hosted, tmp_path, capsys):
     """Two Bradley-Terry steps of a reward model on the tiny random policy's body (its head drawn
     at random, the stage's default; a high LR so the margin moves), exported with --role critic:
     the reward_model source's vLLM pooling engine gives the held-out pairs the margin and accuracy
     of the trainer's last eval."""
-    good = [{"prompt": f"Calculate {i} + 1.", "chosen": f"<answer>{i + 1}</answer>", "rejected": f"I think {i}",
-             "answer": str(i + 1)} for i in range(8)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in good + [{"prompt": "x", "answer": "1"}]) + "\n")
-    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in good[:6]) + "\n")
-    out = tmp_path / "run"
-    mpirun(["-m", "yatt.launch", "--config", "configs/rm_smollm2.yaml", f"model.path={tiny_policy}",
-            f"data.train_files=[{tmp_path / 'train.jsonl'}]", f"data.eval_files=[{tmp_path / 'eval.jsonl'}]",
-            "trainer.total_steps=2", "trainer.prompts_per_rank=3", "trainer.lr=1e-2", "trainer.min_lr=1e-2",
-            "eval.max_tokens=4", "log.progress=false", f"output_dir={out}"], 2, timeout=600)
+    from yatt.export import main as export
+    from yatt.reward.genrm import JudgeItem
+    from yatt.reward.reward_model import RewardModelScorer
+
+    job = hosted("rm")
+    assert job.code == 0, job.log[-4000:]
+    out = job.out
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "rm_loss" in r]
     evals = [r for r in records if "eval_pair_accuracy" in r]
@@ -64,19 +73,14 @@ def test_rm_job_exports_a_reward_model_that_scores_as_trained(mpirun, tmp_path, 
     final = sorted((out / "checkpoints").glob("step_*"))[-1]
     assert sorted(p.name for p in (final / "model").iterdir()) == ["critic_tp0_pp0.pt"]
     assert all(r.get("time_sync_s", 0.0) == 0.0 for r in train)
-    actor = subprocess.run([sys.executable, "-m", "yatt.export", str(out / "checkpoints"), str(tmp_path / "policy")],
-                           cwd=ROOT, capture_output=True, text=True)
-    assert actor.returncode != 0 and "export it with --role critic" in actor.stderr
-    subprocess.run([sys.executable, "-m", "yatt.export", str(out / "checkpoints"), str(tmp_path / "rm"), "--role",
-                    "critic"], cwd=ROOT, check=True, capture_output=True)
-    script = (f"import json; from yatt.reward.genrm import JudgeItem; from yatt.reward.reward_model import RewardModelScorer\n"
-              f"rows = [json.loads(l) for l in open({str(tmp_path / 'eval.jsonl')!r})]\n"
-              f"rm = RewardModelScorer({str(tmp_path / 'rm')!r}, max_length=256)\n"
-              f"c = [r.score for r in rm.score([JudgeItem(x['prompt'], x['chosen'], '') for x in rows])]\n"
-              f"r = [r.score for r in rm.score([JudgeItem(x['prompt'], x['rejected'], '') for x in rows])]\n"
-              f"print(json.dumps([sum(a - b for a, b in zip(c, r)) / len(rows), sum(a > b for a, b in zip(c, r)) / len(rows)]))")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True,
-                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    margin, accuracy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert export([str(out / "checkpoints"), str(tmp_path / "policy")]) == 2
+    assert "export it with --role critic" in capsys.readouterr().err
+    assert export([str(out / "checkpoints"), str(tmp_path / "rm"), "--role", "critic"]) == 0
+    rows = [json.loads(line) for line in (out.parent / "rm_eval.jsonl").read_text().splitlines()]
+    rm = RewardModelScorer(str(tmp_path / "rm"), max_length=256)
+    chosen = [r.score for r in rm.score([JudgeItem(x["prompt"], x["chosen"], "") for x in rows])]
+    rejected = [r.score for r in rm.score([JudgeItem(x["prompt"], x["rejected"], "") for x in rows])]
+    margin = sum(a - b for a, b in zip(chosen, rejected)) / len(rows)
     assert margin == pytest.approx(evals[-1]["eval_reward_margin"], rel=1e-3, abs=1e-5)
-    assert accuracy == pytest.approx(evals[-1]["eval_pair_accuracy"])
+    assert sum(a > b for a, b in zip(chosen, rejected)) / len(rows) == pytest.approx(evals[-1]["eval_pair_accuracy"])
+    rm.engine.shutdown()

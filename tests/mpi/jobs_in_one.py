@@ -1,11 +1,14 @@
 """Several whole YATT jobs in one ``mpirun`` job, one after another in the same processes
 (``yatt.launch.execute(..., keep_process_group=True)``), so that the interpreter start and the
 ~10 s of torch, vLLM, Megatron-Core and transformers imports per rank are paid once for all of them.
+The processes restart with the runtime libraries ``python -m yatt.launch`` preloads (``yatt.preload``).
 
     mpirun -np 2 python tests/mpi/jobs_in_one.py JOBS.json
 
-``JOBS.json`` lists ``{"name", "config", "overrides", "log"}`` (``python -m yatt.launch --config
-CONFIG OVERRIDES...``); while a job runs, every rank's stdout and stderr (file
+``JOBS.json`` lists ``{"name", "config", "overrides", "copy", "log"}`` (``python -m yatt.launch
+--config CONFIG OVERRIDES...``, after rank 0 has copied each ``[src, dst]`` of ``copy``, a folder or a
+file: a resumed run's checkpoint from a job before it; a missing ``src`` skips the job, exit code 3,
+the reason in its log); while a job runs, every rank's stdout and stderr (file
 descriptors 1 and 2: Python, vLLM and MPI alike) are appended to ``log``, as ``mpirun`` would merge
 them. Rank 0 writes each job's exit code to ``<log>.code`` after it ends. A job that raises
 aborts the whole ``mpirun`` job (as it would alone); a job still running after
@@ -16,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -45,11 +49,29 @@ def run_job(config: str, overrides: list[str], log: Path) -> int:
             os.close(f)
 
 
+def copy_inputs(pairs: list[list[str]], log: Path) -> bool:
+    """Rank 0 copies each ``[src, dst]`` (a folder or a file); every rank learns whether all were there."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    missing = None
+    if comm.Get_rank() == 0:
+        missing = next((src for src, _ in pairs if not Path(src).exists()), None)
+        for src, dst in pairs if missing is None else []:
+            Path(dst).parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if Path(src).is_dir() else shutil.copy2)(src, dst)
+        if missing is not None:
+            with open(log, "a") as f:
+                f.write(f"jobs_in_one: not run, {missing} is missing (the job that writes it failed)\n")
+    return comm.bcast(missing, root=0) is None
+
+
 def main(jobs_file: str) -> None:
     import torch.distributed as dist
 
     for job in json.loads(Path(jobs_file).read_text()):
-        code = run_job(job["config"], job["overrides"], Path(job["log"]))
+        ready = copy_inputs(job.get("copy", []), Path(job["log"]))
+        code = run_job(job["config"], job["overrides"], Path(job["log"])) if ready else 3
         if int(os.environ.get("PMI_RANK", "0")) == 0:
             Path(f"{job['log']}.code").write_text(f"{code}\n")
             print(f"jobs_in_one: {job['name']} exited {code}", flush=True)
@@ -59,6 +81,9 @@ def main(jobs_file: str) -> None:
 
 
 if __name__ == "__main__":
+    from yatt.preload import restart_with_preload
+
+    restart_with_preload()  # the allocator and OpenMP that python -m yatt.launch runs on
     faulthandler.dump_traceback_later(float(os.environ.get("YATT_TEST_JOB_TIMEOUT", 900)), exit=True)
     main(sys.argv[1])
     from yatt.launch import exit_process
