@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -207,15 +208,39 @@ def hosted_jobs(builder: Callable[[Path, TinyModels], dict[str, JobSpec]]):
     return builder
 
 
-def resumed_pair(root: Path, name: str, config: str, overrides: list[str], step: int) -> dict[str, JobSpec]:
-    """Two jobs for a :func:`hosted_jobs` builder: ``<name>_ref``, a whole run, then ``<name>_run``,
-    the same job (``resume=auto``) in a folder that holds ``<name>_ref``'s step-``step`` checkpoint
-    and its whole metrics.jsonl (the later steps included: the resumed run must cut them)."""
-    ref, run, ckpt = root / f"{name}_ref", root / f"{name}_run", Path("checkpoints") / f"step_{step:06d}"
+def resume_from(ref: Path, run: Path, step: int) -> tuple[tuple[Path, Path], ...]:
+    """Make ``run`` a folder that resumes (``resume=auto``) from ``ref``'s step-``step`` checkpoint:
+    writes ``run/checkpoints/latest`` and returns the ``(src, dst)`` copies still to make (that
+    checkpoint and ``ref``'s whole metrics.jsonl, the later steps included: the resumed run must cut
+    them), for when ``ref`` has run (:func:`copy_paths`, or a :class:`JobSpec`'s ``copy``)."""
+    ckpt = Path("checkpoints") / f"step_{step:06d}"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text(f"{ckpt.name}\n")
-    copy = ((ref / ckpt, run / ckpt), (ref / "metrics.jsonl", run / "metrics.jsonl"))
+    return (ref / ckpt, run / ckpt), (ref / "metrics.jsonl", run / "metrics.jsonl")
+
+
+def copy_paths(pairs) -> None:
+    """Copy each ``(src, dst)``: a folder or a file."""
+    for src, dst in pairs:
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+
+
+def resumed_pair(root: Path, name: str, config: str, overrides: list[str], step: int) -> dict[str, JobSpec]:
+    """Two jobs for a :func:`hosted_jobs` builder: ``<name>_ref``, a whole run, then ``<name>_run``,
+    the same job resumed from ``<name>_ref``'s step-``step`` checkpoint (:func:`resume_from`)."""
+    ref, run = root / f"{name}_ref", root / f"{name}_run"
+    copy = resume_from(ref, run, step)
     return {ref.name: JobSpec(config, overrides), run.name: JobSpec(config, overrides, copy=copy)}
+
+
+# metrics that differ between runs of the same samples: timings, waits, memory and throughput
+TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
+
+
+def metric_records(out: Path, drop: tuple[str, ...] = TIMING) -> list[dict]:
+    """The records of ``out/metrics.jsonl``, without the metrics whose names start with ``drop``."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
 
 
 @pytest.fixture(scope="session")

@@ -6,15 +6,13 @@ checkpoint taken between steps goes on to the same metrics (SIGTERM's save and e
 and test_async_rl)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from conftest import DEMO_ARGS, DEMO_RECIPE, JobSpec, TinyModels, hosted_jobs, resumed_pair, trainer_tp
+from conftest import DEMO_ARGS, DEMO_RECIPE, JobSpec, TinyModels, hosted_jobs, metric_records, resumed_pair, trainer_tp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
-_TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
 ARGS = ("rollout.env=tests.envs:Continue", "rollout.max_turns=3", "rollout.max_tokens=12", "rollout.max_model_len=512",
         "trainer.total_steps=3", "algo.entropy_coef=0.01", "checkpoint.keep_last=3")
 
@@ -41,15 +39,10 @@ def agentic_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
     return resumed_pair(root, "agentic", DEMO_RECIPE, [*DEMO_ARGS, model, *ARGS], step=1)
 
 
-def _records(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
-
-
 def test_multi_turn_episodes_train_on_the_model_tokens_and_resume_exactly(hosted):
     ref, run = hosted("agentic_ref"), hosted("agentic_run")
     assert ref.code == 0, ref.log[-4000:]
-    records = _records(ref.out)
+    records = metric_records(ref.out)
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:
@@ -63,4 +56,4 @@ def test_multi_turn_episodes_train_on_the_model_tokens_and_resume_exactly(hosted
     # the reference's step-1 checkpoint (and its whole metrics.jsonl, which the resumed run must cut
     # back to step 1) resumed in a new job: the same records at every later step, episodes and all
     assert run.code == 0 and "resumed from" in run.log, run.log[-4000:]
-    assert _records(run.out) == records
+    assert metric_records(run.out) == records

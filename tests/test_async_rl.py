@@ -8,7 +8,6 @@ importance sampling, so every step's metrics depend on the stale rollout logprob
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_job, launch_job, wait_job
+from conftest import TIMING, kill_job, launch_job, metric_records, wait_job
 from yatt.watchdog import EXIT_RANK_LOST
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -24,19 +23,14 @@ ARGS = ("placement.mode=rollout_apart", "trainer.total_steps=3", "algo.recompute
         "algo.rollout_correction=tis", "algo.dynamic_sampling=true",
         "reward.sources=[{name: parity, type: function, path: 'tests.reward_fns:parity', weight: 1.0}]")
 # what differs between runs that train the same samples: timings, waits, and each side's busy time
-_TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s", "sampler_", "trainer_")
-
-
-def _records(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
+_TIMING = (*TIMING, "sampler_", "trainer_")
 
 
 def _run(out: Path, *args: str, **env: str) -> list[dict]:
     script = "tests/mpi/stale_replay.py" if env else None
     code = wait_job(launch_job(out, *args, script=script, env=env))
     assert code == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
-    return _records(out)
+    return metric_records(out, _TIMING)
 
 
 def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly_after_sigterm(tmp_path, tiny_policy):

@@ -6,13 +6,12 @@ trainer's logprobs. Both jobs run in conftest's ``hosted`` fixture, with the oth
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import DEMO_ARGS, DEMO_RECIPE, JobSpec, TinyModels, hosted_jobs, resumed_pair
+from conftest import DEMO_ARGS, DEMO_RECIPE, JobSpec, TinyModels, hosted_jobs, metric_records, resumed_pair
 from conftest import trainer_tp as ref
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -20,18 +19,12 @@ ARGS = ("trainer.total_steps=3", "trainer.lr=1e-3", "trainer.lora={rank: 4, alph
         "algo.kl_in_reward=0.05",  # a reference policy: the base model, the adapters off
         "critic.enabled=true", "critic.lora={rank: 2, alpha: 2}",
         "reward.sources=[{name: parity, type: function, path: 'tests.reward_fns:parity', weight: 1.0}]")
-_TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
 
 
 @hosted_jobs
 def lora_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
     """``lora_ref``, 3 steps, and ``lora_run``: the same job resumed from ``lora_ref``'s step-2 checkpoint."""
     return resumed_pair(root, "lora", DEMO_RECIPE, [*DEMO_ARGS, f"model.path={models.policy}", *ARGS], step=2)
-
-
-def _records(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
 
 
 def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, hosted, tmp_path, tiny_policy):
@@ -45,7 +38,7 @@ def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, hoste
     ref_job, run = hosted("lora_ref"), hosted("lora_run")
     assert ref_job.code == 0, ref_job.log[-4000:]
     first = ref_job.out
-    train = [r for r in _records(first) if "reward_mean" in r]
+    train = [r for r in metric_records(first) if "reward_mean" in r]
     assert len(train) == 3 and all(r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in train)
     # the reference (the base: adapters off) equals the policy at step 1 and falls behind it after
     # (k1 of the rollout's logprobs to the reference's: step 1's is the engine/trainer rounding, ~1e-7)
@@ -62,8 +55,8 @@ def test_lora_job_syncs_merged_weights_resumes_exactly_and_exports(world1, hoste
     # a run resumed from the first run's step-2 checkpoint (adapters, their optimizer state, base from
     # the HF folder again) trains step 3 exactly as the first run did
     assert run.code == 0 and "resumed from" in run.log, run.log[-4000:]
-    resumed = [r for r in _records(run.out) if r["step"] == 3]
-    assert resumed and resumed == [r for r in _records(first) if r["step"] == 3]
+    resumed = [r for r in metric_records(run.out) if r["step"] == 3]
+    assert resumed and resumed == [r for r in metric_records(first) if r["step"] == 3]
 
     # exports: PEFT folder, merged folder and the merged critic, against the trainer holding the checkpoint
     spec = LoraSpec(rank=4, alpha=8.0)

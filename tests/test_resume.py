@@ -19,9 +19,7 @@ coefficient's state resume too (it changes every step: ``kl_coef_current``).
 """
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,26 +28,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DEMO_ARGS, DEMO_RECIPE, MPIRUN, ROOT, HostedJob, JobSpec, TinyModels, hosted_jobs, job_env,
-                      kill_job, launch_job, resumed_pair, tensorboard_scalars, wait_job, write_jsonl)
+from conftest import (DEMO_ARGS, DEMO_RECIPE, MPIRUN, ROOT, TIMING, HostedJob, JobSpec, TinyModels, copy_paths,
+                      hosted_jobs, job_env, kill_job, launch_job, metric_records, resume_from, resumed_pair,
+                      tensorboard_scalars, wait_job, write_jsonl)
 from yatt.preload import runtime_libraries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
-_TIMING = ("time_", "mem_peak_", "idle_", "tokens_per_s")
-
-
-def _records(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
 
 
 def _scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
     """The run's TensorBoard scalars (purged steps dropped), timings left out."""
-    return {t: v for t, v in tensorboard_scalars(out).items() if not t.split("/")[1].startswith(_TIMING)}
+    return {t: v for t, v in tensorboard_scalars(out).items() if not t.split("/")[1].startswith(TIMING)}
 
 
 def _steps(out: Path) -> list[int]:
-    return [r["step"] for r in _records(out) if "reward_mean" in r]
+    return [r["step"] for r in metric_records(out) if "reward_mean" in r]
 
 
 # the PPO run that the kill/preempt and world-size tests compare with (every checkpoint kept)
@@ -92,7 +85,7 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, referenc
     for role in ("tp0_pp0", "critic_tp0_pp0"):  # the policy's and the critic's
         w3, w4 = (torch.load(ckpts / f"step_00000{s}" / "model" / f"{role}.pt", weights_only=False) for s in (3, 4))
         assert any(not torch.equal(w3[k], w4[k]) for k in w3), role
-    train = [r for r in _records(ref) if "reward_mean" in r]
+    train = [r for r in metric_records(ref) if "reward_mean" in r]
     assert all(r["grad_norm"] > 0 for r in train) and len({r["kl_coef_current"] for r in train}) == 4
     assert all(r["critic_grad_norm"] > 0 for r in train[1:])  # step 1: KL 0 and scores 0, so returns = values = 0
 
@@ -128,7 +121,7 @@ def test_killed_and_preempted_runs_resume_to_the_same_metrics(tmp_path, referenc
 
     # 3. resume=auto finishes the run
     assert wait_job(launch_job(run, *args)) == 0, (tmp_path / "run.log").read_text()[-4000:]
-    assert _records(run) == _records(ref)
+    assert metric_records(run) == metric_records(ref)
     assert _steps(run) == [1, 2, 3, 4]
     # TensorBoard, over the killed, preempted and finishing runs' event files, shows each step once
     scalars = _scalars(run)
@@ -164,7 +157,7 @@ def test_an_sft_run_resumes_to_the_same_metrics(hosted):
     a checkpoint's write resumes from the last committed one: the PPO test above."""
     ref, run = hosted("sft_ref"), hosted("sft_run")
     assert ref.code == 0, ref.log[-4000:]
-    sft = [r for r in _records(ref.out) if "sft_loss" in r]
+    sft = [r for r in metric_records(ref.out) if "sft_loss" in r]
     assert [r["step"] for r in sft] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in sft)
     assert sft[-1]["sft_loss"] < sft[0]["sft_loss"]  # it learns the targets
     _check_resumed(ref, run)
@@ -177,7 +170,7 @@ def test_an_rm_run_resumes_to_the_same_metrics(hosted):
     schedule, data position)."""
     ref, run = hosted("rm_resume_ref"), hosted("rm_resume_run")
     assert ref.code == 0, ref.log[-4000:]
-    rm = [r for r in _records(ref.out) if "rm_loss" in r]
+    rm = [r for r in metric_records(ref.out) if "rm_loss" in r]
     assert [r["step"] for r in rm] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in rm)
     assert len({r["reward_margin"] for r in rm}) == 4  # the head moves every step
     _check_resumed(ref, run)
@@ -187,7 +180,7 @@ def _check_resumed(ref: HostedJob, run: HostedJob) -> None:
     """``run``, resumed from ``ref``'s step-2 checkpoint with ``ref``'s whole metrics.jsonl (steps 3
     and 4 included: it must drop them; conftest's ``resumed_pair``), has ``ref``'s metrics at every step."""
     assert run.code == 0 and "resumed from" in run.log, run.log[-4000:]
-    assert _records(run.out) == _records(ref.out)
+    assert metric_records(run.out) == metric_records(ref.out)
 
 
 def test_a_run_resumes_on_fewer_and_on_more_ranks_and_on_another_tp_and_pp(tmp_path, reference_run):
@@ -200,9 +193,7 @@ def test_a_run_resumes_on_fewer_and_on_more_ranks_and_on_another_tp_and_pp(tmp_p
     ref, args = reference_run
     for ranks, tp, pp in ((1, 1, 1), (4, 2, 2)):
         run = tmp_path / f"np{ranks}"
-        (run / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ref / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
-        (run / "checkpoints" / "latest").write_text("step_000002\n")
+        copy_paths(resume_from(ref, run, 2))
         out = subprocess.run([str(MPIRUN), "-np", str(ranks), sys.executable, "-m", "yatt.launch", "--config",
                               DEMO_RECIPE, *DEMO_ARGS, *args, f"trainer.tp={tp}", f"trainer.pp={pp}", f"output_dir={run}"],
                              cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
@@ -211,7 +202,7 @@ def test_a_run_resumes_on_fewer_and_on_more_ranks_and_on_another_tp_and_pp(tmp_p
         assert f"the global batch is {ranks} prompts per step (it was 2" in out.stderr
         relaid = f"was saved with TP 1, PP 1 and this job has TP {tp}, PP {pp}: each rank rebuilds its model"
         assert (relaid in out.stderr) == (tp * pp > 1), out.stderr[-3000:]
-        train = [r for r in _records(run) if "reward_mean" in r]
-        assert [r["step"] for r in train] == [3, 4]
+        train = [r for r in metric_records(run) if "reward_mean" in r]
+        assert [r["step"] for r in train] == [1, 2, 3, 4]  # the reference's first two, then its own
         assert all(math.isfinite(r[k]) for r in train for k in ("grad_norm", "reward_mean", "critic_grad_norm"))
         assert (run / "checkpoints" / "step_000004" / "rank" / f"{ranks - 1:05d}.pt").is_file()

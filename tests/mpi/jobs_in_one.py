@@ -49,11 +49,9 @@ def run_job(config: str, overrides: list[str], log: Path) -> int:
             os.close(f)
 
 
-def copy_inputs(pairs: list[list[str]], log: Path) -> bool:
-    """Rank 0 copies each ``[src, dst]`` (a folder or a file); every rank learns whether all were there."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+def copy_inputs(comm, pairs: list[list[str]], log: Path) -> bool:
+    """Rank 0 of ``comm`` copies each ``[src, dst]`` (a folder or a file); every rank learns whether all
+    were there."""
     missing = None
     if comm.Get_rank() == 0:
         missing = next((src for src, _ in pairs if not Path(src).exists()), None)
@@ -68,11 +66,13 @@ def copy_inputs(pairs: list[list[str]], log: Path) -> bool:
 
 def main(jobs_file: str) -> None:
     import torch.distributed as dist
+    from mpi4py import MPI
 
+    comm = MPI.COMM_WORLD
     for job in json.loads(Path(jobs_file).read_text()):
-        ready = copy_inputs(job.get("copy", []), Path(job["log"]))
+        ready = copy_inputs(comm, job.get("copy", []), Path(job["log"]))
         code = run_job(job["config"], job["overrides"], Path(job["log"])) if ready else 3
-        if int(os.environ.get("PMI_RANK", "0")) == 0:
+        if comm.Get_rank() == 0:
             Path(f"{job['log']}.code").write_text(f"{code}\n")
             print(f"jobs_in_one: {job['name']} exited {code}", flush=True)
     if dist.is_initialized():
