@@ -150,11 +150,14 @@ def write_jsonl(path: Path, rows: list) -> str:
 class JobSpec:
     """A whole YATT job for :func:`run_jobs`: ``python -m yatt.launch --config config overrides...``
     (``output_dir`` is the job's own folder), after each ``(src, dst)`` of ``copy`` has been copied
-    (a folder or a file: a resumed run's checkpoint and metrics from a job before it)."""
+    (a folder or a file: a resumed run's checkpoint and metrics from a job before it). ``hook``:
+    ``(module, *args)``, a patch of YATT for this job only: ``tests/mpi/<module>.py``'s
+    ``install(*args)`` runs before the job and the callable it returns after it."""
 
     config: str
     overrides: list[str]
     copy: tuple[tuple[Path, Path], ...] = ()
+    hook: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,8 @@ def run_jobs(jobs: dict[str, JobSpec], folder: Path, ranks: int = 2, timeout: in
     with the output's tail; a job's own exit code is the caller's to check (3: not run, a ``copy``
     source was missing)."""
     listing = [{"name": n, "config": j.config, "overrides": [*j.overrides, f"output_dir={folder / n}"],
-                "copy": [[str(a), str(b)] for a, b in j.copy], "log": str(folder / f"{n}.log")} for n, j in jobs.items()]
+                "copy": [[str(a), str(b)] for a, b in j.copy], "hook": list(j.hook), "log": str(folder / f"{n}.log")}
+               for n, j in jobs.items()]
     (folder / "jobs.json").write_text(json.dumps(listing))
     try:
         run_mpi(["tests/mpi/jobs_in_one.py", folder / "jobs.json"], ranks, timeout=timeout)
@@ -308,16 +312,15 @@ DEMO_RECIPE = "configs/grpo_smollm2.yaml"
 DEMO_EVAL_SET = "eval.sets=[{name: chain, type: task, task: chain_sum, size: 4}]"  # a named set besides data's
 
 
-def launch_job(out: Path, *extra: str, script: str | None = None, env: dict[str, str] | None = None
-               ) -> subprocess.Popen:
+def launch_job(out: Path, *extra: str, script: str | None = None) -> subprocess.Popen:
     """``mpirun -np 2`` of the demo recipe with :data:`DEMO_ARGS` into ``out`` (``python -m yatt.launch``,
-    or ``script`` given the same arguments), stdout and stderr appended to ``<out>.log``, ``env``
-    added to :func:`job_env`; the job runs in a session of its own (see :func:`kill_job`)."""
+    or ``script`` given the same arguments), stdout and stderr appended to ``<out>.log``; the job runs
+    in a session of its own (see :func:`kill_job`)."""
     entry = [script] if script else ["-m", "yatt.launch"]
     cmd = [str(MPIRUN), "-np", "2", sys.executable, *entry, "--config", DEMO_RECIPE, *DEMO_ARGS,
            f"output_dir={out}", *extra]
     log = open(out.parent / f"{out.name}.log", "ab")
-    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(**(env or {})), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_job(proc: subprocess.Popen, until=None, timeout: float = 400) -> int | None:

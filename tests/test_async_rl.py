@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIMING, kill_job, launch_job, metric_records, wait_job
+from conftest import (DEMO_ARGS, DEMO_RECIPE, TIMING, HostedJob, JobSpec, TinyModels, hosted_jobs, kill_job,
+                      launch_job, metric_records, wait_job)
 from yatt.watchdog import EXIT_RANK_LOST
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -26,29 +27,44 @@ ARGS = ("placement.mode=rollout_apart", "trainer.total_steps=3", "algo.recompute
 _TIMING = (*TIMING, "sampler_", "trainer_")
 
 
-def _run(out: Path, *args: str, **env: str) -> list[dict]:
-    script = "tests/mpi/stale_replay.py" if env else None
-    code = wait_job(launch_job(out, *args, script=script, env=env))
+@hosted_jobs
+def async_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """``async_record``, a K = 1 run that records the groups each rank trains on at each step, and
+    ``async_replay``, the same run synchronous (K = 0: samplers wait for each new policy) fed them
+    (tests/mpi/stale_replay.py)."""
+    groups = root / "async_groups"
+    groups.mkdir()
+    args = [*DEMO_ARGS, f"model.path={models.policy}", *ARGS]
+    return {"async_record": JobSpec(DEMO_RECIPE, [*args, "rollout.max_staleness=1"],
+                                    hook=("stale_replay", "record", str(groups))),
+            "async_replay": JobSpec(DEMO_RECIPE, [*args, "rollout.max_staleness=0"],
+                                    hook=("stale_replay", "replay", str(groups)))}
+
+
+def _records(job: HostedJob) -> list[dict]:
+    assert job.code == 0, job.log[-4000:]
+    return metric_records(job.out, _TIMING)
+
+
+def _run(out: Path, *args: str) -> list[dict]:
+    code = wait_job(launch_job(out, *args))
     assert code == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
     return metric_records(out, _TIMING)
 
 
-def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly_after_sigterm(tmp_path, tiny_policy):
+def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly_after_sigterm(
+        tmp_path, tiny_policy, hosted):
     model = f"model.path={tiny_policy}"
-    groups = tmp_path / "groups"
-    groups.mkdir()
-    ref = _run(tmp_path / "async", model, *ARGS, "rollout.max_staleness=1", YATT_REPLAY="record",
-               YATT_REPLAY_DIR=str(groups))
+    ref = _records(hosted("async_record"))
     train = [r for r in ref if "staleness_max" in r]
     # staleness: step 1 trains the first policy's samples, then every batch was made one update ahead
     assert [r["staleness_max"] for r in train] == [0, 1, 1] and [r["staleness_mean"] for r in train] == [0, 1, 1]
     assert sum(r["dynamic_sampling_rounds"] for r in train) > 0  # refills obeyed the bound too
     assert train[2]["rollout_kl"] > 0 and train[2]["is_weight_mean"] != 1.0  # stale samples were corrected
 
-    # 1. a synchronous run (K = 0: samplers wait for each new policy) fed the async run's groups
-    replay = _run(tmp_path / "sync", model, *ARGS, "rollout.max_staleness=0", YATT_REPLAY="replay",
-                  YATT_REPLAY_DIR=str(groups))
-    assert replay == ref  # every step's loss, grad norm, IS statistics, ... and the evals (engines got the weights)
+    # 1. a synchronous run (K = 0: samplers wait for each new policy) fed the async run's groups: every
+    #    step's loss, grad norm, IS statistics, ... and the evals (the engines got the weights)
+    assert _records(hosted("async_replay")) == ref
 
     # 2. SIGTERM once step 1 is recorded: the run saves, with its in-flight batch, and exits 75; run
     #    again, it resumes there and ends with every record equal to the uninterrupted run's

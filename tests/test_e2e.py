@@ -61,11 +61,12 @@ def test_data_parallel_demo_run_writes_finite_metrics(demo_run):
     assert not demo_run.shm_left, demo_run.shm_left  # MPI finalized before the fast exit
 
 
-def test_api_run_on_a_pipeline_with_dynamic_sampling_writes_finite_metrics(mpirun, tmp_path):
+def test_api_run_on_a_pipeline_with_dynamic_sampling_writes_finite_metrics(mpirun, tmp_path, tiny_policy):
     """tests/mpi/api_train.py: ``Trainer(...).train`` as a user script; one 2-stage pipeline (DP=1)
-    with DAPO dynamic sampling (one extra round at most); the script holds the settings."""
+    with DAPO dynamic sampling (one extra round at most); the script holds the settings. The policy is
+    the tiny random one (the demo run trains the packaged model by name)."""
     out = tmp_path / "run"
-    proc = mpirun(["tests/mpi/api_train.py", str(out)], 2, timeout=900)
+    proc = mpirun(["tests/mpi/api_train.py", str(out), str(tiny_policy)], 2, timeout=900)
     assert "api OK 3" in proc.stdout  # rank 0's records: eval at 0, step 1, eval at 1
     _check_run(out, proc.stderr, steps=1, stages=2, dynamic=True)
 

@@ -5,18 +5,21 @@ The processes restart with the runtime libraries ``python -m yatt.launch`` prelo
 
     mpirun -np 2 python tests/mpi/jobs_in_one.py JOBS.json
 
-``JOBS.json`` lists ``{"name", "config", "overrides", "copy", "log"}`` (``python -m yatt.launch
---config CONFIG OVERRIDES...``, after rank 0 has copied each ``[src, dst]`` of ``copy``, a folder or a
-file: a resumed run's checkpoint from a job before it; a missing ``src`` skips the job, exit code 3,
-the reason in its log); while a job runs, every rank's stdout and stderr (file
-descriptors 1 and 2: Python, vLLM and MPI alike) are appended to ``log``, as ``mpirun`` would merge
-them. Rank 0 writes each job's exit code to ``<log>.code`` after it ends. A job that raises
-aborts the whole ``mpirun`` job (as it would alone); a job still running after
-``YATT_TEST_JOB_TIMEOUT`` s (default 900) in all dumps every thread's stack and exits.
+``JOBS.json`` lists ``{"name", "config", "overrides", "copy", "hook", "log"}`` (``python -m
+yatt.launch --config CONFIG OVERRIDES...``, after rank 0 has copied each ``[src, dst]`` of ``copy``,
+a folder or a file: a resumed run's checkpoint from a job before it; a missing ``src`` skips the
+job, exit code 3, the reason in its log; a ``hook`` ``[module, *args]`` patches YATT for the job:
+``tests/mpi/<module>.py``'s ``install(*args)`` runs before it and the callable it returns after
+it); while a job runs, every rank's stdout and stderr (file descriptors 1 and 2: Python, vLLM and
+MPI alike) are appended to ``log``, as ``mpirun`` would merge them. Rank 0 writes each job's exit
+code to ``<log>.code`` after it ends. A job that raises aborts the whole ``mpirun`` job (as it
+would alone); a job still running after ``YATT_TEST_JOB_TIMEOUT`` s (default 900) in all dumps
+every thread's stack and exits.
 """
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import json
 import os
 import shutil
@@ -71,7 +74,13 @@ def main(jobs_file: str) -> None:
     comm = MPI.COMM_WORLD
     for job in json.loads(Path(jobs_file).read_text()):
         ready = copy_inputs(comm, job.get("copy", []), Path(job["log"]))
-        code = run_job(job["config"], job["overrides"], Path(job["log"])) if ready else 3
+        module, *args = job.get("hook") or [None]
+        undo = importlib.import_module(module).install(*args) if module and ready else None
+        try:
+            code = run_job(job["config"], job["overrides"], Path(job["log"])) if ready else 3
+        finally:
+            if undo is not None:
+                undo()
         if comm.Get_rank() == 0:
             Path(f"{job['log']}.code").write_text(f"{code}\n")
             print(f"jobs_in_one: {job['name']} exited {code}", flush=True)
