@@ -4,12 +4,13 @@ conversations skipped and counted by reason; SFT, DPO and RM samples from chat r
 RL and one SFT job on a chat jsonl with malformed rows."""
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import JobSpec, run_jobs, write_jsonl
+from conftest import JobSpec, TinyModels, hosted_jobs, write_jsonl
 from yatt.assets.data import SKIP_REASONS, PromptStream, _check, load_prompts
 from yatt.assets.model import SMOLLM2, resolve_model
 from yatt.config import DataConfig, SftConfig
@@ -221,36 +222,35 @@ TRAILING = {"messages": [_turn("user", "Calculate 1 + 1."), _turn("assistant", "
 SFT_ROWS = [{**r, "messages": [*r["messages"], _turn("assistant", f"<answer>{r['answer']}</answer>")]} for r in GOOD]
 
 
-@pytest.fixture(scope="module")
-def chat_jobs(tmp_path_factory, tiny_policy) -> dict[str, tuple[list[dict], str]]:
-    """One-rank jobs on the tiny policy with chat train and eval rows, one after another in one
-    ``mpirun -np 1`` (conftest's :func:`run_jobs`): ``"rl"`` (GRPO) and ``"sft"``; ``name ->
-    (records, log)``."""
-    root = tmp_path_factory.mktemp("chat_jobs")
+@hosted_jobs
+def chat_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
+    """2-rank jobs on the tiny policy with chat train and eval rows (conftest's ``hosted`` fixture
+    runs them with the other modules' jobs): ``chat_rl`` (GRPO) and ``chat_sft``."""
     data = {"rl": ("configs/grpo_smollm2.yaml", GOOD + BAD + [TRAILING], GOOD + BAD[1:],
                    ["rollout.n=2", "rollout.max_tokens=8"]),
             "sft": ("configs/sft_smollm2.yaml", SFT_ROWS + BAD, SFT_ROWS, [])}
-    jobs = {name: JobSpec(recipe, [f"model.path={tiny_policy}", "data.source=file",
-                            f"data.train_files=[{write_jsonl(root / f'{name}_train.jsonl', train)}]",
-                            f"data.eval_files=[{write_jsonl(root / f'{name}_eval.jsonl', evals)}]", "trainer.total_steps=2",
-                            "trainer.prompts_per_rank=3", "eval.max_tokens=4", "log.progress=false",
-                            "checkpoint.every_steps=0", *extra])
-            for name, (recipe, train, evals, extra) in data.items()}
-    out = {}
-    for name, job in run_jobs(jobs, root, ranks=1).items():
-        assert job.code == 0, f"{name} exited {job.code}\n{job.log[-4000:]}"
-        out[name] = ([json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()], job.log)
-    return out
+    return {f"chat_{name}": JobSpec(recipe, [
+        f"model.path={models.policy}", "data.source=file",
+        f"data.train_files=[{write_jsonl(root / f'chat_{name}_train.jsonl', train)}]",
+        f"data.eval_files=[{write_jsonl(root / f'chat_{name}_eval.jsonl', evals)}]", "trainer.total_steps=2",
+        "trainer.prompts_per_rank=2", "eval.max_tokens=4", "log.progress=false", "checkpoint.every_steps=0", *extra])
+        for name, (recipe, train, evals, extra) in data.items()}
+
+
+def _job(hosted, name: str) -> tuple[list[dict], str]:
+    job = hosted(name)
+    assert job.code == 0, f"{name} exited {job.code}\n{job.log[-4000:]}"
+    return [json.loads(line) for line in (job.out / "metrics.jsonl").read_text().splitlines()], job.log
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_rl_job_on_chat_rows_counts_the_bad_ones(chat_jobs):
-    """Two GRPO steps on a chat jsonl: 6 prompts drawn from 4 good rows cross the epoch, so every
-    bad row (one not JSON, three bad conversations, one that ends with an assistant turn) has
+def test_rl_job_on_chat_rows_counts_the_bad_ones(hosted):
+    """Two GRPO steps on a chat jsonl, 2 ranks: 8 prompts drawn from 4 good rows cross the epoch, so
+    every bad row (one not JSON, three bad conversations, one that ends with an assistant turn) has
     been counted (and those of epoch 1 drawn so far); the eval split's bad conversations are
     counted by reason at start."""
-    records, log = chat_jobs["rl"]
+    records, log = _job(hosted, "chat_rl")
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["reward_mean"]) for r in train)
     assert 5 <= train[-1]["data_rows_skipped"] <= 10, train  # all of epoch 0's, and epoch 1's drawn so far
@@ -261,10 +261,11 @@ def test_rl_job_on_chat_rows_counts_the_bad_ones(chat_jobs):
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_sft_job_learns_chat_targets_and_counts_the_bad_rows(chat_jobs):
-    """Two SFT steps on a chat jsonl whose rows end with the assistant turn to learn: the loss is
-    finite and every bad row is counted; the held-out chat rows (with their final turns) are evaluated."""
-    records, _ = chat_jobs["sft"]
+def test_sft_job_learns_chat_targets_and_counts_the_bad_rows(hosted):
+    """Two SFT steps on a chat jsonl whose rows end with the assistant turn to learn, 2 ranks: the
+    loss is finite and every bad row is counted (8 rows drawn from 4 good ones cross the epoch); the
+    held-out chat rows (with their final turns) are evaluated."""
+    records, _ = _job(hosted, "chat_sft")
     train = [r for r in records if "sft_loss" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["sft_loss"]) and r["grad_norm"] > 0
                                                         for r in train)
