@@ -173,7 +173,8 @@ class HostedJob:
 def run_jobs(jobs: dict[str, JobSpec], folder: Path, ranks: int = 2, timeout: int = 1200) -> dict[str, HostedJob]:
     """Whole YATT jobs, one after another in one ``mpirun -np ranks`` job (``tests/mpi/jobs_in_one.py``:
     the ~10 s of imports per rank paid once), each into ``folder/<name>``, its log in
-    ``folder/<name>.log``. Fails the test when the host itself fails (a job that raises aborts it),
+    ``folder/<name>.log`` (the host's own lines, each job's exit code and seconds, in
+    ``folder/host.log``). Fails the test when the host itself fails (a job that raises aborts it),
     with the output's tail; a job's own exit code is the caller's to check (3: not run, a ``copy``
     source was missing)."""
     listing = [{"name": n, "config": j.config, "overrides": [*j.overrides, f"output_dir={folder / n}"],
@@ -181,7 +182,8 @@ def run_jobs(jobs: dict[str, JobSpec], folder: Path, ranks: int = 2, timeout: in
                for n, j in jobs.items()]
     (folder / "jobs.json").write_text(json.dumps(listing))
     try:
-        run_mpi(["tests/mpi/jobs_in_one.py", folder / "jobs.json"], ranks, timeout=timeout)
+        host = run_mpi(["tests/mpi/jobs_in_one.py", folder / "jobs.json"], ranks, timeout=timeout)
+        (folder / "host.log").write_text(host.stdout)  # each job's exit code and seconds
     except AssertionError as e:
         logs = "".join(f"\n--- {n}.log\n{(folder / f'{n}.log').read_text()[-3000:]}" for n in jobs
                        if (folder / f"{n}.log").exists())

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -73,6 +74,7 @@ def main(jobs_file: str) -> None:
 
     comm = MPI.COMM_WORLD
     for job in json.loads(Path(jobs_file).read_text()):
+        t0 = time.perf_counter()
         ready = copy_inputs(comm, job.get("copy", []), Path(job["log"]))
         module, *args = job.get("hook") or [None]
         undo = importlib.import_module(module).install(*args) if module and ready else None
@@ -83,7 +85,7 @@ def main(jobs_file: str) -> None:
                 undo()
         if comm.Get_rank() == 0:
             Path(f"{job['log']}.code").write_text(f"{code}\n")
-            print(f"jobs_in_one: {job['name']} exited {code}", flush=True)
+            print(f"jobs_in_one: {job['name']} exited {code} after {time.perf_counter() - t0:.1f} s", flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()  # a gloo group torn down at interpreter exit may abort the process
