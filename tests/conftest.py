@@ -251,9 +251,10 @@ def metric_records(out: Path, drop: tuple[str, ...] = TIMING) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def hosted(request, tmp_path_factory, tiny_policy, tiny_rm, tiny_judge):
-    """``hosted(name) -> HostedJob``: the job ``name`` of a :func:`hosted_jobs` builder. On first use,
-    the jobs of every module with a selected test that uses this fixture run in one host; a failed
-    host fails every test that reads it, each with the output's tail, and is not run again."""
+    """``hosted(name) -> HostedJob``: the job ``name`` of a :func:`hosted_jobs` builder, which exited 0.
+    On first use, the jobs of every module with a selected test that uses this fixture run in one
+    host; a failed host fails every test that reads it, each with the output's tail, and is not run
+    again; a job that exited otherwise fails each test that reads it, with its log's tail."""
     state: dict[str, object] = {}
 
     def get(name: str) -> HostedJob:
@@ -271,7 +272,10 @@ def hosted(request, tmp_path_factory, tiny_policy, tiny_rm, tiny_judge):
                 state["jobs"] = e
         if isinstance(state["jobs"], Exception):
             pytest.fail(f"the hosted jobs failed: {state['jobs']}")
-        return state["jobs"][name]
+        job = state["jobs"][name]
+        if job.code != 0:
+            pytest.fail(f"hosted job {name} exited {job.code}\n{job.log[-4000:]}")
+        return job
 
     return get
 

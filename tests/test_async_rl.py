@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (DEMO_ARGS, DEMO_RECIPE, TIMING, HostedJob, JobSpec, TinyModels, hosted_jobs, kill_job,
+from conftest import (DEMO_ARGS, DEMO_RECIPE, TIMING, JobSpec, TinyModels, hosted_jobs, kill_job,
                       launch_job, metric_records, wait_job)
 from yatt.watchdog import EXIT_RANK_LOST
 
@@ -41,11 +41,6 @@ def async_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
                                     hook=("stale_replay", "replay", str(groups)))}
 
 
-def _records(job: HostedJob) -> list[dict]:
-    assert job.code == 0, job.log[-4000:]
-    return metric_records(job.out, _TIMING)
-
-
 def _run(out: Path, *args: str) -> list[dict]:
     code = wait_job(launch_job(out, *args))
     assert code == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
@@ -55,7 +50,7 @@ def _run(out: Path, *args: str) -> list[dict]:
 def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly_after_sigterm(
         tmp_path, tiny_policy, hosted):
     model = f"model.path={tiny_policy}"
-    ref = _records(hosted("async_record"))
+    ref = metric_records(hosted("async_record").out, _TIMING)
     train = [r for r in ref if "staleness_max" in r]
     # staleness: step 1 trains the first policy's samples, then every batch was made one update ahead
     assert [r["staleness_max"] for r in train] == [0, 1, 1] and [r["staleness_mean"] for r in train] == [0, 1, 1]
@@ -64,7 +59,7 @@ def test_async_run_equals_a_sync_run_fed_its_stale_samples_and_resumes_exactly_a
 
     # 1. a synchronous run (K = 0: samplers wait for each new policy) fed the async run's groups: every
     #    step's loss, grad norm, IS statistics, ... and the evals (the engines got the weights)
-    assert _records(hosted("async_replay")) == ref
+    assert metric_records(hosted("async_replay").out, _TIMING) == ref
 
     # 2. SIGTERM once step 1 is recorded: the run saves, with its in-flight batch, and exits 75; run
     #    again, it resumes there and ends with every record equal to the uninterrupted run's

@@ -2,7 +2,6 @@
 question string, prompted through the tokenizer's chat template in every stage; malformed
 conversations skipped and counted by reason; SFT, DPO and RM samples from chat rows; and one short
 RL and one SFT job on a chat jsonl with malformed rows."""
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import JobSpec, TinyModels, hosted_jobs, write_jsonl
+from conftest import JobSpec, TinyModels, hosted_jobs, metric_records, write_jsonl
 from yatt.assets.data import SKIP_REASONS, PromptStream, _check, load_prompts
 from yatt.assets.model import SMOLLM2, resolve_model
 from yatt.config import DataConfig, SftConfig
@@ -237,12 +236,6 @@ def chat_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
         for name, (recipe, train, evals, extra) in data.items()}
 
 
-def _job(hosted, name: str) -> tuple[list[dict], str]:
-    job = hosted(name)
-    assert job.code == 0, f"{name} exited {job.code}\n{job.log[-4000:]}"
-    return [json.loads(line) for line in (job.out / "metrics.jsonl").read_text().splitlines()], job.log
-
-
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_rl_job_on_chat_rows_counts_the_bad_ones(hosted):
@@ -250,7 +243,8 @@ def test_rl_job_on_chat_rows_counts_the_bad_ones(hosted):
     every bad row (one not JSON, three bad conversations, one that ends with an assistant turn) has
     been counted (and those of epoch 1 drawn so far); the eval split's bad conversations are
     counted by reason at start."""
-    records, log = _job(hosted, "chat_rl")
+    job = hosted("chat_rl")
+    records, log = metric_records(job.out, drop=()), job.log
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["reward_mean"]) for r in train)
     assert 5 <= train[-1]["data_rows_skipped"] <= 10, train  # all of epoch 0's, and epoch 1's drawn so far
@@ -265,7 +259,7 @@ def test_sft_job_learns_chat_targets_and_counts_the_bad_rows(hosted):
     """Two SFT steps on a chat jsonl whose rows end with the assistant turn to learn, 2 ranks: the
     loss is finite and every bad row is counted (8 rows drawn from 4 good ones cross the epoch); the
     held-out chat rows (with their final turns) are evaluated."""
-    records, _ = _job(hosted, "chat_sft")
+    records = metric_records(hosted("chat_sft").out, drop=())
     train = [r for r in records if "sft_loss" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["sft_loss"]) and r["grad_norm"] > 0
                                                         for r in train)

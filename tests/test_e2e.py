@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JobSpec, TinyModels, hosted_jobs, tensorboard_scalars
+from conftest import JobSpec, TinyModels, hosted_jobs, metric_records, tensorboard_scalars
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.slow]
@@ -126,8 +126,7 @@ def test_genrm_recipe_runs_in_each_placement_mode(hosted, mode):
     right answers above wrong ones)."""
     job = hosted(f"genrm_{mode}")
     out = job.out
-    assert job.code == 0, job.log[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(out, drop=())
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     final = out / "checkpoints" / "step_000002"  # every rank's state; the model once (judge-only ranks have none)
@@ -185,10 +184,7 @@ def test_reward_model_source_runs_in_each_placement(hosted, mode):
     pooling engine in the judge's slot: colocated (built after the rollout engine is released,
     released before training, on both ranks), and on the GenRM rank of each split placement
     (streamed to by the sampler in partial colocation), with a finite ``reward_rm_mean``."""
-    job = hosted(f"rm_{mode}")
-    out = job.out
-    assert job.code == 0, job.log[-4000:]
-    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (record,) = metric_records(hosted(f"rm_{mode}").out, drop=())
     assert math.isfinite(record["reward_rm_mean"]) and record["reward_mean"] == record["reward_rm_mean"], record
     assert record["reward_rm_errors"] == 0 and "reward_rule_mean" in record and record["time_genrm_s"] > 0, record
     if mode == "colocate":
@@ -200,10 +196,7 @@ def test_rollout_tensor_parallel_run_trains_on_the_engines_own_logprobs(hosted):
     split of 7 prompts included) and each gets its own shard at every sync: the engine's logprobs
     equal the trainer's at every step (1e-6 measured; one wrong shard or a rank's own seed gives ~1).
     The GenRM judge runs colocated at TP 2 too, and judges every response."""
-    job = hosted("rollout_tp")
-    out = job.out
-    assert job.code == 0, job.log[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(hosted("rollout_tp").out, drop=())
     train = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
     for record in train:
