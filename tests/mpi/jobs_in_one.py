@@ -59,12 +59,13 @@ def copy_inputs(comm, pairs: list[list[str]], log: Path) -> bool:
     missing = None
     if comm.Get_rank() == 0:
         missing = next((src for src, _ in pairs if not Path(src).exists()), None)
-        for src, dst in pairs if missing is None else []:
-            Path(dst).parent.mkdir(parents=True, exist_ok=True)
-            (shutil.copytree if Path(src).is_dir() else shutil.copy2)(src, dst)
         if missing is not None:
             with open(log, "a") as f:
                 f.write(f"jobs_in_one: not run, {missing} is missing (the job that writes it failed)\n")
+        else:
+            for src, dst in pairs:
+                Path(dst).parent.mkdir(parents=True, exist_ok=True)
+                (shutil.copytree if Path(src).is_dir() else shutil.copy2)(src, dst)
     return comm.bcast(missing, root=0) is None
 
 
