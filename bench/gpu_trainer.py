@@ -51,8 +51,9 @@ then, for the largest shape run (the last of equal sizes), one per line:
 
 ``--dry-run`` (automatic without CUDA; hides the GPUs when given on a GPU machine): the same code
 on the CPU in fp32 over gloo with tiny models (2 layers, hidden 64, 4 heads / 2 KV heads, vocab
-256, each shape's model type and tying), micro-batches 2 x 32, one repeat: a check that the
-script runs, whose ratios say nothing about a GPU (peak memory prints 0: CUDA only).
+256, each shape's model type and tying; shapes that then coincide run once), micro-batches 2 x 32,
+one repeat: a check that the script runs, whose ratios say nothing about a GPU (peak memory prints
+0: CUDA only).
 """
 from __future__ import annotations
 
@@ -342,6 +343,9 @@ def main() -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     rows, seq = (DRY_ROWS, DRY_SEQ) if dry else (ROWS, SEQ)
     shapes = {n: ({**SHAPES[n], **TINY} if dry else SHAPES[n]) for n in names}
+    if dry:  # shapes that differ only in size are the same tiny model: each one runs once
+        shapes = {n: c for i, (n, c) in enumerate(shapes.items()) if c not in list(shapes.values())[:i]}
+        names = list(shapes)
     largest = max(range(len(names)), key=lambda i: (matmul_params(shapes[names[i]]), i))
     print(f"gpu_trainer: world {info.world_size}, backend {torch.distributed.get_backend()}, "
           f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, dtype {str(dtype).removeprefix('torch.')}, "
