@@ -21,8 +21,8 @@
 #    and the packed layouts against padded rows (fp32).
 # Each step has a time limit, and a failed step does not stop the others. The last lines repeat
 # every ratio, one per line (measured 2026-12-04 on an H200: docs/gpu.md). Without CUDA (or with
-# --dry-run) steps 1, 2 and 5 are skipped and 3, 4 and 6 run on the CPU with tiny shapes: a check
-# that the scripts run, not a measurement.
+# --dry-run) steps 1, 2 and 5 are skipped and 3, 4 and 6 run on the CPU with tiny shapes, side by
+# side: a check that the scripts run, not a measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -32,7 +32,9 @@ DRY=()
 if [ "${1:-}" = "--dry-run" ] || ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     DRY=(--dry-run)
 fi
-if ! "$PY" -c 'import megatron.core' 2>/dev/null && compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
+# (found, not imported: its import takes ~5 s)
+if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("megatron.core") is None)' 2>/dev/null \
+    && compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/yatt-site .whl/megatron_core-*.whl
     export PYTHONPATH=/tmp/yatt-site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -58,12 +60,25 @@ if [ ${#DRY[@]} -eq 0 ]; then
 else
     echo "== dry run: no CUDA build (1), no kernel checks (2, 5); steps 3, 4 and 6 on the CPU with tiny shapes"
 fi
-run 3.trainer timeout 300 "$PY" bench/gpu_trainer.py --profile "$LOG" "${DRY[@]}"
-run 4.packing timeout 240 "$PY" bench/gpu_packing.py --profile "$LOG" "${DRY[@]}"
 if [ ${#DRY[@]} -eq 0 ]; then
+    run 3.trainer timeout 300 "$PY" bench/gpu_trainer.py --profile "$LOG"
+    run 4.packing timeout 240 "$PY" bench/gpu_packing.py --profile "$LOG"
     run 5.reshard timeout 150 "$PY" bench/reshard_gpu.py --repeats 20
+    run 6.correctness timeout 150 "$PY" bench/gpu_check.py
+else  # a dry run times nothing that means anything: its three CPU steps run side by side, each log printed after
+    PIDS=()
+    for step in "3.trainer bench/gpu_trainer.py --profile $LOG --dry-run" "4.packing bench/gpu_packing.py --profile $LOG --dry-run" \
+                "6.correctness bench/gpu_check.py"; do
+        read -r -a args <<<"$step"
+        timeout 300 "$PY" "${args[@]:1}" >"$LOG/${args[0]}.log" 2>&1 &
+        PIDS+=("$!:${args[0]}")
+    done
+    for job in "${PIDS[@]}"; do
+        wait "${job%%:*}" || FAILED+=("${job#*:}")
+        echo "== ${job#*:}"
+        cat "$LOG/${job#*:}.log"
+    done
 fi
-run 6.correctness timeout 150 "$PY" bench/gpu_check.py
 echo "== ratios ($(date +%T))"
 cat "$LOG"/*.log | grep -E '^(gpu_[a-z0-9_]+=|gpu_check )' || true
 if [ ${#FAILED[@]} -gt 0 ]; then

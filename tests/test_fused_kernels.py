@@ -215,19 +215,30 @@ FAMILIES = {"logprob_fp32": [check_logprob_fp32_matches_actor, check_logprob_in_
 
 
 @cache
-def _child(family: str, device: str = "cpu") -> dict[str, str]:
-    """Run one family's checks in a child, on CPU under TRITON_INTERPRET=1 or compiled on CUDA:
-    {check name: "ok" or traceback}."""
+def _children(device: str) -> dict[str, subprocess.Popen]:
+    """Every family's child process, started together on first use, on CPU under TRITON_INTERPRET=1
+    or compiled on CUDA (one thread each: on CPU they run side by side on the cores)."""
     from conftest import job_env
 
     env = job_env()
     env.pop("TRITON_INTERPRET", None)
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, __file__, family, device], env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return {family: subprocess.Popen([sys.executable, __file__, family, device], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for family in FAMILIES}
+
+
+@cache
+def _child(family: str, device: str = "cpu") -> dict[str, str]:
+    """One family's checks, run in its child (:func:`_children`): {check name: "ok" or traceback}."""
+    proc = _children(device)[family]
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{stdout}\n{stderr}"
     return json.loads(lines[-1])
 
 

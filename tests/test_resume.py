@@ -63,8 +63,10 @@ def resume_jobs(root: Path, models: TinyModels) -> dict[str, JobSpec]:
     rm = [model, "stage=rm", "data.source=file", f"data.train_files=[{pairs}]", f"data.eval_files=[{pairs}]",
           "data.question_key=prompt", "data.answer_key=answer", "trainer.prompts_per_rank=2", "trainer.lr=1e-3",
           "checkpoint.keep_last=4"]
+    sft = [*DEMO_ARGS, model, "stage=sft", "trainer.lr=3e-3", "checkpoint.keep_last=4"]  # the evals see it learn
     return {"ppo_ref": JobSpec(DEMO_RECIPE, [*DEMO_ARGS, model, *PPO]),
-            **resumed_pair(root, "sft", DEMO_RECIPE, [*DEMO_ARGS, model, "stage=sft", "checkpoint.keep_last=4"], step=2),
+            **resumed_pair(root, "sft", DEMO_RECIPE, sft, step=2),
+            "sft_rollout_tp": JobSpec(DEMO_RECIPE, [*sft, "rollout.tp=2"]),
             **resumed_pair(root, "rm_resume", DEMO_RECIPE, [*DEMO_ARGS, *rm], step=2)}
 
 
@@ -159,6 +161,20 @@ def test_an_sft_run_resumes_to_the_same_metrics(hosted):
     assert [r["step"] for r in sft] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in sft)
     assert sft[-1]["sft_loss"] < sft[0]["sft_loss"]  # it learns the targets
     _check_resumed(ref, run)
+
+
+def test_an_sft_run_with_rollout_tp_2_evaluates_as_at_tp_1(hosted):
+    """``stage: sft`` with ``rollout.tp=2`` (both ranks serve one engine for the evals, each
+    synced with its own shard after every step): the SFT reference run's metrics (``sft_ref``, TP
+    1), the final eval of the trained weights included, whose responses have become shorter than
+    the untrained policy's (which never ends one before ``eval.max_tokens``): so the engine serves
+    the trained weights, and a stale shard would not. fp32 on the CPU, the two engines' logits
+    differ in the last bits only, so they sample the same tokens."""
+    ref, tp = hosted("sft_ref"), hosted("sft_rollout_tp")
+    evals = [r for r in metric_records(tp.out) if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 4], evals
+    assert evals[0]["eval_response_len_mean"] == 16 > evals[1]["eval_response_len_mean"], evals
+    assert metric_records(tp.out) == metric_records(ref.out)
 
 
 def test_an_rm_run_resumes_to_the_same_metrics(hosted):

@@ -660,8 +660,8 @@ class Config(_Section):
             raise ValueError(f"trainer.tp: placement.mode={p.mode} trains with trainer.tp=1 only")
         if p.mode in ("disaggregated", "rollout_apart") and self.trainer.pp != 1:
             raise ValueError(f"trainer.pp: placement.mode={p.mode} trains with trainer.pp=1 only")
-        if self.rollout.tp > 1 and (self.stage != "rl" or p.mode != "colocate"):
-            raise ValueError("rollout.tp: rollout TP > 1 runs the RL stage with placement.mode=colocate for now "
+        if self.rollout.tp > 1 and p.mode != "colocate":
+            raise ValueError("rollout.tp: rollout TP > 1 runs with placement.mode=colocate for now "
                              "(its judge engine, if any, on the same ranks); use rollout.tp=1")
         if self.rollout.max_staleness and p.mode != "rollout_apart":
             raise ValueError(f"rollout.max_staleness: samplers run ahead of the trainers only with "
