@@ -111,27 +111,22 @@ def mpirun():
 # another in the same processes, so the ~10 s start of a job is paid once, not once per script).
 # Each script checks its own properties and prints its own OK lines; the tests read them.
 SHARED_JOBS = {
+    "ranks_2": (2, ["sync_onpolicy", "push_apart", "reshard_sync:tp", "reshard_sync:pp", "rollout_dp",
+                    "trainer_tp:dp", "dp_balance:train", "genrm_dp", "estimator_contract", "zero_signal",
+                    "checkpoint_memory", "lora_tp", "rollout_tp:2"]),
     "ranks_3": (3, ["trainer_tp:tp", "trainer_tp:subgroup"]),
     "ranks_4": (4, ["data_memory", "dp_balance"]),
 }
-# The 2-rank scripts run in the hosted jobs' host, after its jobs (``shared_job("ranks_2")``).
-HOSTED_SCRIPTS = ["sync_onpolicy", "push_apart", "reshard_sync:tp", "reshard_sync:pp", "rollout_dp", "trainer_tp:dp",
-                  "dp_balance:train", "genrm_dp", "estimator_contract", "zero_signal", "checkpoint_memory", "lora_tp",
-                  "rollout_tp:2"]
 
 
 @pytest.fixture(scope="session")
-def shared_job(request):
-    """``shared_job(name) -> output`` of the :data:`SHARED_JOBS` job ``name`` (its stdout), run once
-    per session on first use, or for ``ranks_2`` of the :data:`HOSTED_SCRIPTS` (their logs, in
-    order), which run in the :func:`hosted` fixture's host. A failed or timed-out job fails every
-    test that reads it, each with the job's output tail, and is not run again."""
+def shared_job():
+    """``shared_job(name) -> stdout`` of the :data:`SHARED_JOBS` job ``name``, run once per session on
+    first use. A failed or timed-out job fails every test that reads it, each with the job's output
+    tail, and is not run again."""
     outputs: dict[str, str | Exception] = {}
 
     def get(name: str) -> str:
-        if name == "ranks_2":
-            hosted = request.getfixturevalue("hosted")
-            return "".join(hosted(f"script:{item}").log for item in HOSTED_SCRIPTS)
         if name not in outputs:
             ranks, scripts = SHARED_JOBS[name]
             try:
@@ -175,34 +170,26 @@ class HostedJob:
     log: str
 
 
-def run_jobs(jobs: dict[str, JobSpec], folder: Path, ranks: int = 2, timeout: int = 1200,
-             scripts: list[str] = ()) -> dict[str, HostedJob]:
+def run_jobs(jobs: dict[str, JobSpec], folder: Path, ranks: int = 2, timeout: int = 1200) -> dict[str, HostedJob]:
     """Whole YATT jobs, one after another in one ``mpirun -np ranks`` job (``tests/mpi/jobs_in_one.py``:
     the ~10 s of imports per rank paid once), each into ``folder/<name>``, its log in
     ``folder/<name>.log`` (the host's own lines, each job's exit code and seconds, in
-    ``folder/host.log``); then the ``tests/mpi`` ``scripts`` (``script[:arg,...]``), each as the job
-    ``script:<item>`` (its log: the script's output). A job's own exit code is the caller's to check
-    (3: not run, a ``copy`` source was missing); a job that raises aborts the host, and each job
-    that had not ended by then exits -1, its log ending with the host's output tail."""
+    ``folder/host.log``). Fails the test when the host itself fails (a job that raises aborts it),
+    with the output's tail; a job's own exit code is the caller's to check (3: not run, a ``copy``
+    source was missing)."""
     listing = [{"name": n, "config": j.config, "overrides": [*j.overrides, f"output_dir={folder / n}"],
                 "copy": [[str(a), str(b)] for a, b in j.copy], "hook": list(j.hook), "log": str(folder / f"{n}.log")}
                for n, j in jobs.items()]
-    listing += [{"name": f"script:{item}", "script": item, "log": str(folder / f"script_{k:02d}.log")}
-                for k, item in enumerate(scripts)]
     (folder / "jobs.json").write_text(json.dumps(listing))
-    failure = ""
     try:
         host = run_mpi(["tests/mpi/jobs_in_one.py", folder / "jobs.json"], ranks, timeout=timeout)
         (folder / "host.log").write_text(host.stdout)  # each job's exit code and seconds
-    except (AssertionError, subprocess.TimeoutExpired) as e:
-        failure = f"\n--- the host failed before this job ended:\n{e}"[-6000:]
-    done = {}
-    for job in listing:
-        log, code = Path(job["log"]), Path(f"{job['log']}.code")
-        text = log.read_text() if log.exists() else ""
-        done[job["name"]] = HostedJob(folder / job["name"], int(code.read_text()), text) if code.exists() \
-            else HostedJob(folder / job["name"], -1, text + failure)
-    return done
+    except AssertionError as e:
+        logs = "".join(f"\n--- {n}.log\n{(folder / f'{n}.log').read_text()[-3000:]}" for n in jobs
+                       if (folder / f"{n}.log").exists())
+        raise AssertionError(f"{e}{logs}") from None
+    return {n: HostedJob(folder / n, int((folder / f"{n}.log.code").read_text()), (folder / f"{n}.log").read_text())
+            for n in jobs}
 
 
 @dataclass(frozen=True)
@@ -264,25 +251,27 @@ def metric_records(out: Path, drop: tuple[str, ...] = TIMING) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def hosted(request, tmp_path_factory, tiny_policy, tiny_rm, tiny_judge):
-    """``hosted(name) -> HostedJob``: the job ``name`` of a :func:`hosted_jobs` builder (or
-    ``script:<item>``, one of the :data:`HOSTED_SCRIPTS`), which exited 0. On first use, the jobs of
-    every module with a selected test that uses this fixture run in one host, then the scripts when
-    a selected test uses ``shared_job``; a job that exited otherwise (-1: the host failed before it
-    ended) fails each test that reads it, with its log's tail. Nothing is run again."""
-    state: dict[str, dict[str, HostedJob]] = {}
+    """``hosted(name) -> HostedJob``: the job ``name`` of a :func:`hosted_jobs` builder, which exited 0.
+    On first use, the jobs of every module with a selected test that uses this fixture run in one
+    host; a failed host fails every test that reads it, each with the output's tail, and is not run
+    again; a job that exited otherwise fails each test that reads it, with its log's tail."""
+    state: dict[str, object] = {}
 
     def get(name: str) -> HostedJob:
         if not state:
-            items = request.session.items
-            wanted = {item.module.__name__ for item in items if "hosted" in item.fixturenames}
+            wanted = {item.module.__name__ for item in request.session.items if "hosted" in item.fixturenames}
             root, models, jobs = tmp_path_factory.mktemp("hosted"), TinyModels(tiny_policy, tiny_rm, tiny_judge), {}
             for module, build in HOSTED_JOBS.items():
                 if module in wanted:
                     more = build(root, models)
                     assert not jobs.keys() & more.keys(), f"{module}: job names taken: {jobs.keys() & more.keys()}"
                     jobs |= more
-            scripts = HOSTED_SCRIPTS if any("shared_job" in item.fixturenames for item in items) else []
-            state["jobs"] = run_jobs(jobs, root, timeout=1800, scripts=scripts)
+            try:
+                state["jobs"] = run_jobs(jobs, root, timeout=1800)
+            except (AssertionError, subprocess.TimeoutExpired) as e:
+                state["jobs"] = e
+        if isinstance(state["jobs"], Exception):
+            pytest.fail(f"the hosted jobs failed: {state['jobs']}")
         job = state["jobs"][name]
         if job.code != 0:
             pytest.fail(f"hosted job {name} exited {job.code}\n{job.log[-4000:]}")

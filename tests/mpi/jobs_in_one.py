@@ -1,7 +1,6 @@
 """Several whole YATT jobs in one ``mpirun`` job, one after another in the same processes
 (``yatt.launch.execute(..., keep_process_group=True)``), so that the interpreter start and the
-~10 s of torch, vLLM, Megatron-Core and transformers imports per rank are paid once for all of them;
-then, in the same processes, ``tests/mpi`` scripts (as ``tests/mpi/in_one_job.py`` runs them).
+~10 s of torch, vLLM, Megatron-Core and transformers imports per rank are paid once for all of them.
 The processes restart with the runtime libraries ``python -m yatt.launch`` preloads (``yatt.preload``).
 
     mpirun -np 2 python tests/mpi/jobs_in_one.py JOBS.json
@@ -11,17 +10,14 @@ yatt.launch --config CONFIG OVERRIDES...``, after rank 0 has copied each ``[src,
 a folder or a file: a resumed run's checkpoint from a job before it; a missing ``src`` skips the
 job, exit code 3, the reason in its log; a ``hook`` ``[module, *args]`` patches YATT for the job:
 ``tests/mpi/<module>.py``'s ``install(*args)`` runs before it and the callable it returns after
-it), or ``{"name", "script", "log"}``: ``script`` is ``name[:arg,...]``, ``tests/mpi/<name>.py``'s
-``main(*args)`` (Megatron's parallel state destroyed after it, exit code 0 when it returns). While a
-job or a script runs, every rank's stdout and stderr (file descriptors 1 and 2: Python, vLLM and
-MPI alike) are appended to ``log``, as ``mpirun`` would merge them. Rank 0 writes each one's exit
-code to ``<log>.code`` after it ends. A job or a script that raises (its traceback in its log)
-aborts the whole ``mpirun`` job (as it would alone); one still running after
-``YATT_TEST_JOB_TIMEOUT`` s (default 900) in all dumps every thread's stack and exits.
+it); while a job runs, every rank's stdout and stderr (file descriptors 1 and 2: Python, vLLM and
+MPI alike) are appended to ``log``, as ``mpirun`` would merge them. Rank 0 writes each job's exit
+code to ``<log>.code`` after it ends. A job that raises aborts the whole ``mpirun`` job (as it
+would alone); a job still running after ``YATT_TEST_JOB_TIMEOUT`` s (default 900) in all dumps
+every thread's stack and exits.
 """
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import importlib
 import json
@@ -29,34 +25,10 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-HERE = Path(__file__).resolve().parent
-# yatt and tests.reward_fns (function rewards); the scripts' own imports (trainer_tp)
-sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
-
-
-@contextlib.contextmanager
-def output_to(log: Path):
-    """File descriptors 1 and 2 appended to ``log`` while the block runs (a traceback that leaves
-    the block is printed there first)."""
-    saved = [os.dup(1), os.dup(2)]
-    sys.stdout.flush(), sys.stderr.flush()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.dup2(fd, 1), os.dup2(fd, 2)
-        try:
-            yield
-        except BaseException:
-            traceback.print_exc()
-            raise
-    finally:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # yatt, and tests.reward_fns for function rewards
 
 
 def run_job(config: str, overrides: list[str], log: Path) -> int:
@@ -64,23 +36,21 @@ def run_job(config: str, overrides: list[str], log: Path) -> int:
     from yatt.config import ConfigError, load_config
     from yatt.launch import _report, execute
 
-    with output_to(log):
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout.flush(), sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1), os.dup2(fd, 2)
         try:
             return execute(load_config(config, overrides), require_launcher=True, keep_process_group=True)[0]
         except ConfigError as e:
             _report(e)
             return 2
-
-
-def run_script(item: str, log: Path) -> int:
-    """``tests/mpi/<script>.py``'s ``main(*args)`` for ``item`` = ``script[:arg,...]``, its output
-    appended to ``log``; 0 once it returns (it checks its own properties and prints its OK lines)."""
-    script, _, args = item.partition(":")
-    with output_to(log):
-        importlib.import_module(script).main(*filter(None, args.split(",")))
-    if "megatron.core.parallel_state" in sys.modules:  # the next script builds its own sizes
-        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-    return 0
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
 
 
 def copy_inputs(comm, pairs: list[list[str]], log: Path) -> bool:
@@ -110,13 +80,12 @@ def main(jobs_file: str) -> None:
         module, *args = job.get("hook") or [None]
         undo = importlib.import_module(module).install(*args) if module and ready else None
         try:
-            if "script" in job:
-                code = run_script(job["script"], Path(job["log"]))
-            else:
-                code = run_job(job["config"], job["overrides"], Path(job["log"])) if ready else 3
+            code = run_job(job["config"], job["overrides"], Path(job["log"])) if ready else 3
         finally:
             if undo is not None:
                 undo()
+        if "megatron.core.parallel_state" in sys.modules:  # the next job sets its own TP and PP
+            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
         if comm.Get_rank() == 0:
             Path(f"{job['log']}.code").write_text(f"{code}\n")
             print(f"jobs_in_one: {job['name']} exited {code} after {time.perf_counter() - t0:.1f} s", flush=True)
@@ -130,9 +99,7 @@ if __name__ == "__main__":
 
     restart_with_preload()  # the allocator and OpenMP that python -m yatt.launch runs on
     faulthandler.dump_traceback_later(float(os.environ.get("YATT_TEST_JOB_TIMEOUT", 900)), exit=True)
-    from in_one_job import or_abort
-
-    or_abort(main, sys.argv[1])  # a failure on one rank ends every rank (MPI_Abort), none waits for it
+    main(sys.argv[1])
     from yatt.launch import exit_process
 
     exit_process(0)  # as python -m yatt.launch ends: MPI finalized, no interpreter teardown
