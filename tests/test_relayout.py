@@ -129,3 +129,59 @@ def test_a_checkpoint_without_named_optimizer_states_is_refused(tmp_path):
     saved = SavedShards(tmp_path, "actor", _small_layout(), 1)
     with pytest.raises(ValueError, match=r"config key 'resume': .* before checkpoints named their optimizer states"):
         saved.state_entry("decoder.layers.0.input_layernorm.weight")
+
+
+def test_lora_adapters_resharded_to_tp3_pp2_and_back_are_the_saved_ones(world1, tmp_path):
+    """A LoRA policy's checkpoint (adapters on the four targets and their Adam moments, no base
+    weights) resharded from TP 1, PP 1 to TP 3, PP 2 and back equals the saved state bit for bit;
+    the TP 3 shards merge into the same PEFT adapter tensors as the TP 1 ones (an independent
+    path: :func:`yatt.trainer.lora.peft_state`, the export's)."""
+    from yatt.trainer.actor import MegatronPolicy, OptimConfig
+    from yatt.trainer.hf_mapping import global_param_name
+    from yatt.trainer.lora import LoraSpec, is_adapter, peft_state
+
+    ref.save_tiny_hf(tmp_path / "hf", "qwen2", vocab_size=100, tied=False)
+
+    def trained(seeds):
+        policy = MegatronPolicy(tmp_path / "hf", optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0, total_steps=6),
+                                lora=LoraSpec(rank=2, alpha=4.0))
+        for seed in seeds:
+            ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(seed))
+            policy.train_step([{"input_ids": ids, "mask": torch.ones(2, 12)}], ref.sum_logprob_loss)
+        return policy
+
+    policy = trained((0, 1))
+    model, optim = _model_state(policy)
+    assert len(model) == 4 * 2 * policy.layout.num_layers and all(is_adapter(k) for k in model)
+    _save(tmp_path / "tp1", 1, 1, lambda t, s: (model, optim))
+    saved = SavedShards(tmp_path / "tp1", "actor", policy.layout, 1)
+    wide = dataclasses.replace(policy.layout, tp=3)
+    step = next(iter(optim["optimizer"]["state"].values()))["step"]
+    tp3: dict[int, dict[str, torch.Tensor]] = {t: {} for t in range(3)}
+
+    def shard(t, s):
+        params, states = {}, {}
+        for name in model:  # PP 1: the global names
+            for local in _stage_name(name, wide, 2, s):
+                params[local] = tp3[t][global_param_name(local, wide, 2, s)] = reshard(saved, name, "param", wide, t)
+                states[local] = {"step": step.clone()} | {k: reshard(saved, name, k, wide, t)
+                                                          for k in ("exp_avg", "exp_avg_sq")}
+        return params, _optimizer(states, False, optim["scheduler"])
+
+    _save(tmp_path / "tp3pp2", 3, 2, shard)
+    qkv_b = tp3[1]["decoder.layers.0.self_attention.linear_qkv.lora_B"]
+    assert qkv_b.shape == (model["decoder.layers.0.self_attention.linear_qkv.lora_B"].shape[0] // 3, 2)
+    assert tp3[2]["decoder.layers.0.mlp.linear_fc2.lora_B"].shape == model["decoder.layers.0.mlp.linear_fc2.lora_B"].shape
+    want_peft, got_peft = peft_state([model], policy.layout), peft_state([tp3[t] for t in range(3)], wide)
+    assert got_peft.keys() == want_peft.keys() and all(torch.equal(got_peft[k], v) for k, v in want_peft.items())
+
+    fresh = trained((2,))  # other adapters and moments
+    assert all(not torch.equal(_state(fresh)[k], v) for k, v in _state(policy).items() if k.startswith("state."))
+    state, relaid = relaid_states(SavedShards(tmp_path / "tp3pp2", "actor", wide, 2), fresh, 0)
+    assert state.keys() == model.keys()
+    fresh.load_model_state_dict(state)
+    fresh.optimizer.load_state_dict(relaid["optimizer"])
+    fresh.scheduler.num_steps = 0
+    fresh.scheduler.load_state_dict(relaid["scheduler"])
+    want, got = _state(policy), _state(fresh)
+    assert got.keys() == want.keys() and [k for k in want if not torch.equal(got[k], want[k])] == []

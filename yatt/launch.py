@@ -69,9 +69,9 @@ def _check_output_dir(cfg) -> None:
 
 def _check_resume_layout(cfg, world: int) -> None:
     """Refuse, before any model loads, a checkpoint to resume that cannot resume into this job's
-    layout: with ``placement.mode=rollout_apart`` another world size; another TP or PP for LoRA
-    adapters or for a checkpoint whose optimizer states are not named (``param_names``, written
-    since 2026-12-06); LoRA adapters where this job trains whole (and back). The checkpoint is the
+    layout: with ``placement.mode=rollout_apart`` another world size; another TP or PP for a
+    checkpoint whose optimizer states are not named (``param_names``, written since 2026-12-06);
+    LoRA adapters where this job trains whole (and back). The checkpoint is the
     one ``resume`` names, or for ``auto`` the newest complete one;
     :meth:`~yatt.checkpoint.run_state.RunCheckpoints.resume` loads it (resharded for another TP or PP)."""
     from yatt.checkpoint.files import checkpoint_root, find_latest, read_meta, resolve
@@ -91,9 +91,6 @@ def _check_resume_layout(cfg, world: int) -> None:
     keep = f"run with trainer.tp={saved['tp']} trainer.pp={saved['pp']}, or start a new run (resume=none, or another output_dir)"
     lora = meta.get("lora") or {}
     if (saved["tp"], saved["pp"]) != (cfg.trainer.tp, cfg.trainer.pp):
-        if any(v is not None for v in lora.values()):
-            raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout}; {this}. LoRA "
-                              f"adapters resume only with the TP and PP they were saved with: {keep}")
         if not _names_optimizer_states(folder):
             raise ConfigError(f"config key 'resume': checkpoint {folder} was saved with {layout}; {this}. It was "
                               f"written before checkpoints named their optimizer states, which resharding at resume "

@@ -13,6 +13,11 @@ are memory-mapped, so a rank reads the parts it needs.
 Values are copied, never recomputed: a state resharded to another layout and back equals the
 saved one bit for bit. Vocabulary padding rows (no token reaches them) start at zero when the
 padded size changes with TP.
+
+A LoRA checkpoint holds the adapters (and a critic's value head) and their optimizer states only;
+the frozen base comes from the HF folder as at any start. Each layer's TP-split adapter matrix
+(:func:`~yatt.trainer.lora.split_adapter`) has its weight's layout and is resharded through its
+weight's mapping; the other one is replicated and copied.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from yatt.checkpoint.files import role_key
 from yatt.checkpoint.saver import load_part
 from yatt.trainer.hf_mapping import (Layout, global_param_name, megatron_name_of, megatron_param, megatron_to_hf,
                                      tp_shard_dim)
+from yatt.trainer.lora import adapted_weight, is_adapter, split_adapter
 from yatt.trainer.model import _stage_name
 
 
@@ -62,6 +68,8 @@ class SavedShards:
         raise KeyError(f"checkpoint {self.folder} ({self.role}) has no parameter {name!r}")
 
     def _replicated(self, name: str) -> bool:
+        if is_adapter(name):
+            return not split_adapter(name)
         return tp_shard_dim(name) is None or (self.head == "value" and name == "output_layer.weight")
 
     def shards(self, name: str, kind: str = "param") -> list[torch.Tensor]:
@@ -146,8 +154,12 @@ def _optimizers(state) -> list[dict]:
 def reshard(saved: SavedShards, name: str, kind: str, layout: Layout, tp_rank: int) -> torch.Tensor:
     """TP rank ``tp_rank``'s shard, in ``layout`` (this job's TP), of saved parameter ``name``
     (global layer index) or of its optimizer state ``kind`` (see :meth:`SavedShards.shards`)."""
-    if saved.head == "value" and name == "output_layer.weight":
+    if (saved.head == "value" and name == "output_layer.weight") or (is_adapter(name) and not split_adapter(name)):
         return saved.shards(name, kind)[0]
+    if is_adapter(name):  # laid out as its layer's weight
+        weight = adapted_weight(name)
+        return megatron_param(weight, dict(megatron_to_hf(weight, saved.shards(name, kind), saved.layout)), layout,
+                              tp_rank)
     # a critic's model maps like a tied one (no LM head)
     mapped = dataclasses.replace(layout, tied_embeddings=True) if saved.head == "value" else layout
     return megatron_param(name, saved.hf(kind), mapped, tp_rank)
@@ -159,20 +171,25 @@ def relaid_states(saved: SavedShards, model, tp_rank: int) -> tuple[dict, dict]:
     ``(model state dict, {"optimizer", "scheduler"})``, ready for ``load_model_state_dict`` and
     the optimizer's and scheduler's ``load_state_dict``.
 
+    With LoRA the model state is :meth:`~yatt.trainer.actor.MegatronPolicy.model_state_dict`'s:
+    the adapters (and a critic's value head), the base being the model's own.
+
     Raises:
-        NotImplementedError: ``model`` trains LoRA adapters.
         ValueError: the checkpoint's optimizer files have no ``param_names``.
     """
-    if model.lora is not None:
-        raise NotImplementedError("LoRA adapters are not resharded at resume: resume with the TP and PP they were saved with")
     layout, pp, stage = model.layout, model.pp, model.stage
 
     def full_name(local: str) -> str:
         return global_param_name(local, layout, pp, stage)
 
-    state = model.module.state_dict()  # the template: its _extra_state entries are this model's own
-    for local, param in model.module.named_parameters():
-        state[local] = reshard(saved, full_name(local), "param", layout, tp_rank).to(param.dtype)
+    params = dict(model.module.named_parameters())
+    if model.lora is None:
+        state = model.module.state_dict()  # the template: its _extra_state entries are this model's own
+        trained = list(params)
+    else:
+        state, trained = {}, list(model.model_state_dict())
+    for local in trained:
+        state[local] = reshard(saved, full_name(local), "param", layout, tp_rank).to(params[local].dtype)
     optimizer = model.optimizer.state_dict()
     for sd, names in zip(_optimizers(optimizer), model.optimizer_param_names()):
         inner = sd.get("optimizer", sd)

@@ -127,7 +127,6 @@ class RunCheckpoints:
 
         Raises:
             ValueError: the checkpoint was saved with another TP or PP and has no ``param_names``.
-            NotImplementedError: another TP or PP with LoRA adapters.
             CheckpointDamaged: it does not verify (on every rank; rank 0 checked it).
         """
         folder = error = None

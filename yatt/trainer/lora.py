@@ -47,6 +47,24 @@ HF_MODULES = {"linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.
               "linear_fc2": ("mlp.down_proj",)}
 
 
+def is_adapter(name: str) -> bool:
+    """Whether Megatron parameter ``name`` is an adapter matrix (``....linear_fc1.lora_B``)."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def split_adapter(name: str) -> bool:
+    """Whether adapter matrix ``name`` is the one of its layer split over TP ranks, laid out as
+    the layer's weight (``B`` of a column-parallel target, ``A`` of a row-parallel one; module
+    docstring); the other one is replicated."""
+    layer, kind = name.rsplit(".lora_", 1)
+    return (kind == "A") == (layer.rsplit(".", 1)[1] in _ROW_PARALLEL)
+
+
+def adapted_weight(name: str) -> str:
+    """The weight of adapter matrix ``name``'s layer (``....linear_fc1.weight``)."""
+    return name.rsplit(".lora_", 1)[0] + ".weight"
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """What :func:`add_adapters` adds: rank ``r``, scale ``alpha / r``, dropout on the adapter's
@@ -206,10 +224,10 @@ def peft_tensors(name: str, shards: list[torch.Tensor], layout, kind: str) -> li
     from yatt.trainer.hf_mapping import megatron_to_hf
 
     target = name.rsplit(".", 2)[1]
-    split = (kind == "A") == (target in _ROW_PARALLEL)  # the TP-split matrix
     layer = int(name.split(".")[2])
     prefix = f"base_model.model.model.layers.{layer}."
-    if split:  # laid out as the weight: the mapping merges the shards (and splits fused rows)
+    if split_adapter(f"{name.rsplit('.', 1)[0]}.lora_{kind}"):  # laid out as the weight: the mapping merges the
+        # shards (and splits fused rows)
         parts = [t for _, t in megatron_to_hf(name, shards, layout)]
     else:
         parts = [shards[0]] * len(HF_MODULES[target])
