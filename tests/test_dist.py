@@ -160,3 +160,21 @@ def test_ranks_lines_reach_a_shared_pipe_whole():
     whole = re.compile(r"writer [01] (line \d+: x{60}|err \d+: y{60})")
     assert len(lines) == 12000 and all(whole.fullmatch(line) for line in lines), \
         [line for line in lines if not whole.fullmatch(line)][:5]
+
+
+_OPEN_POOL = """
+from concurrent.futures import ThreadPoolExecutor
+from yatt.launch import exit_process
+pool = ThreadPoolExecutor(2)  # left open, as a reward function or a tool may leave one
+print(pool.submit(lambda: 41 + 1).result(), flush=True)
+exit_process(0)
+"""
+
+
+def test_the_fast_exit_ends_an_open_thread_pools_idle_workers():
+    """``yatt.launch.exit_process`` (every job's last call) with a ``concurrent.futures`` pool still
+    open: the pool's idle workers end and the process exits 0 (joined before threading's exit hooks
+    woke them, they waited forever: a hosted test host once hung there until its 900 s limit)."""
+    out = subprocess.run([sys.executable, "-c", _OPEN_POOL], cwd=ROOT, env=_clean_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "42", out.stderr[-2000:]

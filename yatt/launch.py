@@ -412,14 +412,14 @@ def exit_process(code: int) -> NoReturn:
     After a job, the interpreter's teardown (every module of torch, vLLM, Megatron-Core and
     transformers: ~0.8 M objects) took ~4 s per rank on the dev machine (2026-12-02) and frees
     nothing the OS does not free at exit. What a normal exit does that matters still happens, in
-    its order: non-daemon threads are joined, the ``atexit`` handlers run (logging's flush), MPI is
+    its order: threading's exit hooks run (a ``concurrent.futures`` pool, which a reward function or
+    a tool may leave open, wakes its idle workers to end; joined without that they wait forever)
+    and non-daemon threads are joined, the ``atexit`` handlers run (logging's flush), MPI is
     finalized after a clean job (mpi4py would do it at C-level exit; without it MPICH's 2 MB
     ``/dev/shm`` segment stayed behind after every run), stdout and stderr are flushed. Call it
     only after the job's files are closed (:func:`main` returns after that).
     """
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # the interpreter's first exit step: threading's exit hooks, then every non-daemon join
     atexit._run_exitfuncs()
     mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes at C-level exit, which os._exit skips
     if code == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
