@@ -183,7 +183,7 @@ def lora_state(step_dir: Path, meta: dict, hf_config: dict, role: str = "actor")
         FileNotFoundError / ValueError: as :func:`hf_state_dict` (a missing shard, another dtype,
             ranks holding different names), or a tensor that is neither an adapter nor a value head.
     """
-    from yatt.trainer.lora import peft_state
+    from yatt.trainer.lora import is_adapter, peft_state
 
     tp, pp = meta["tp"], meta["pp"]
     layout = layout_from_hf(hf_config, tp)
@@ -195,7 +195,7 @@ def lora_state(step_dir: Path, meta: dict, hf_config: dict, role: str = "actor")
             name = global_param_name(local, layout, pp, stage)
             if role == "critic" and name == "output_layer.weight":  # the value head, the same on every TP rank
                 extra["score.weight"] = t0.clone(memory_format=torch.contiguous_format)
-            elif name.endswith((".lora_A", ".lora_B")):
+            elif is_adapter(name):
                 for t, s in enumerate(shards):
                     by_rank[t][name] = s[local]
             else:

@@ -154,12 +154,13 @@ def _optimizers(state) -> list[dict]:
 def reshard(saved: SavedShards, name: str, kind: str, layout: Layout, tp_rank: int) -> torch.Tensor:
     """TP rank ``tp_rank``'s shard, in ``layout`` (this job's TP), of saved parameter ``name``
     (global layer index) or of its optimizer state ``kind`` (see :meth:`SavedShards.shards`)."""
-    if (saved.head == "value" and name == "output_layer.weight") or (is_adapter(name) and not split_adapter(name)):
+    if saved.head == "value" and name == "output_layer.weight":
         return saved.shards(name, kind)[0]
-    if is_adapter(name):  # laid out as its layer's weight
-        weight = adapted_weight(name)
-        return megatron_param(weight, dict(megatron_to_hf(weight, saved.shards(name, kind), saved.layout)), layout,
-                              tp_rank)
+    if is_adapter(name):  # the split one laid out as its layer's weight, the other replicated
+        shards, weight = saved.shards(name, kind), adapted_weight(name)
+        if not split_adapter(name):
+            return shards[0]
+        return megatron_param(weight, dict(megatron_to_hf(weight, shards, saved.layout)), layout, tp_rank)
     # a critic's model maps like a tied one (no LM head)
     mapped = dataclasses.replace(layout, tied_embeddings=True) if saved.head == "value" else layout
     return megatron_param(name, saved.hf(kind), mapped, tp_rank)

@@ -22,7 +22,7 @@ from yatt.dist import mpi_comm
 from yatt.trainer import megatron_cpu, packing
 from yatt.trainer.grad_sum import SharedGradSum
 from yatt.trainer.hf_mapping import global_param_name, stage_layers
-from yatt.trainer.lora import LoraSpec, adapted_layers, add_adapters, merged_weight
+from yatt.trainer.lora import LoraSpec, adapted_layers, add_adapters, is_adapter, merged_weight
 from yatt.trainer.model import build_gpt_model
 
 _PADDED_LOGIT = -1e30  # logit of vocab padding rows: exp() underflows to exactly 0
@@ -624,7 +624,7 @@ class MegatronPolicy:
         if self.lora is None:
             return state
         return {n: t for n, t in state.items()
-                if n.endswith((".lora_A", ".lora_B")) or (self.head == "value" and n == "output_layer.weight")}
+                if is_adapter(n) or (self.head == "value" and n == "output_layer.weight")}
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Load what :meth:`model_state_dict` gave (``source`` names it in errors).
@@ -634,7 +634,7 @@ class MegatronPolicy:
                 fine-tune or back: naming ``trainer.lora``).
         """
         if self.lora is None:
-            if any(n.endswith((".lora_A", ".lora_B")) for n in state):
+            if any(map(is_adapter, state)):
                 raise ValueError(f"{source} holds LoRA adapters, and this job has no trainer.lora")
             self.module.load_state_dict(state)
             return

@@ -57,7 +57,12 @@ def split_adapter(name: str) -> bool:
     the layer's weight (``B`` of a column-parallel target, ``A`` of a row-parallel one; module
     docstring); the other one is replicated."""
     layer, kind = name.rsplit(".lora_", 1)
-    return (kind == "A") == (layer.rsplit(".", 1)[1] in _ROW_PARALLEL)
+    return _split(layer.rsplit(".", 1)[1], kind)
+
+
+def _split(target: str, kind: str) -> bool:
+    """Whether adapter ``kind`` (``"A"``/``"B"``) of ``target`` is its TP-split matrix."""
+    return (kind == "A") == (target in _ROW_PARALLEL)
 
 
 def adapted_weight(name: str) -> str:
@@ -226,8 +231,7 @@ def peft_tensors(name: str, shards: list[torch.Tensor], layout, kind: str) -> li
     target = name.rsplit(".", 2)[1]
     layer = int(name.split(".")[2])
     prefix = f"base_model.model.model.layers.{layer}."
-    if split_adapter(f"{name.rsplit('.', 1)[0]}.lora_{kind}"):  # laid out as the weight: the mapping merges the
-        # shards (and splits fused rows)
+    if _split(target, kind):  # laid out as the weight: the mapping merges the shards (and splits fused rows)
         parts = [t for _, t in megatron_to_hf(name, shards, layout)]
     else:
         parts = [shards[0]] * len(HF_MODULES[target])
@@ -252,8 +256,7 @@ def peft_state(shards: list[dict[str, torch.Tensor]], layout) -> dict[str, torch
         raise ValueError("TP ranks hold different LoRA adapters")
     out = {}
     for name in shards[0]:
-        weight, kind = name.rsplit(".lora_", 1)
-        out.update(peft_tensors(weight + ".weight", [s[name] for s in shards], layout, kind))
+        out.update(peft_tensors(adapted_weight(name), [s[name] for s in shards], layout, name.rsplit(".lora_", 1)[1]))
     return out
 
 
